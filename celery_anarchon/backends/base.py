@@ -1,0 +1,357 @@
+"""The claim backend contract.
+
+Every backend (SQL, Redis, RabbitMQ) implements :class:`Backend`. The
+contract is small and each call is atomic on the backend:
+
+* :meth:`Backend.claim` -- take slots, one winner per ``(job, slot)``, in one
+  batch;
+* :meth:`Backend.mark` -- move a claimed run to a later state (``sent``,
+  ``running``, ``succeeded``, ``failed``, ``lost``), checked against the
+  claim's fencing token;
+* :meth:`Backend.record_if_absent` -- write ``missed`` or ``skipped`` for a
+  slot nobody acted on;
+* :meth:`Backend.release` -- give back claimed, unsent slots (hand-over);
+* :meth:`Backend.history`, :meth:`Backend.last_run` -- read per-job history;
+* :meth:`Backend.claim_manual` -- the claim behind ``run_now``.
+
+Times crossing the contract are integer milliseconds since the Unix epoch
+(UTC). Durations are integer milliseconds and say so in their names (``_ms``).
+
+Backends come in two kinds (DESIGN section 4). *Lease* backends
+(``supports_leases = True``: SQL, Redis) keep an owner, a fencing token and a
+lease expiry per claim, judge time by the backend's own clock, and refuse a
+slot outside the claim window ``[now - window_before_ms, now +
+window_after_ms]``. *Claim-only* backends (RabbitMQ) give one winner per slot
+and nothing more.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+__all__ = [
+    "Backend",
+    "Claim",
+    "ClaimRequest",
+    "InstanceInfo",
+    "RunRecord",
+    "State",
+    "SENT_STATES",
+]
+
+
+class State(str, enum.Enum):
+    """States of a run in history (DESIGN section 5)."""
+
+    #: Held by an instance, not yet sent.
+    CLAIMED = "claimed"
+    #: ``apply_async`` returned.
+    SENT = "sent"
+    #: A worker started it (worker integration).
+    RUNNING = "running"
+    #: A worker finished it without error (worker integration).
+    SUCCEEDED = "succeeded"
+    #: A worker finished it with an error (worker integration).
+    FAILED = "failed"
+    #: Nobody sent it within ``max_late``.
+    MISSED = "missed"
+    #: Not sent because of the overlap policy.
+    SKIPPED = "skipped"
+    #: Claimed, outcome unknown (lost confirm, send failed, worker died).
+    LOST = "lost"
+    #: A backup runner took the slot over from this claim.
+    SUPERSEDED = "superseded"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: States of a run that really went to the broker.
+SENT_STATES = frozenset({State.SENT, State.RUNNING, State.SUCCEEDED, State.FAILED})
+
+
+@dataclass(frozen=True)
+class ClaimRequest:
+    """One slot an instance wants to claim.
+
+    Attributes:
+        job: the job's name (the ``beat_schedule`` key), as the user wrote it.
+        slot_ms: the slot's fire time, epoch milliseconds (UTC).
+        window_before_ms: ``max_late + jitter`` in milliseconds; a lease backend
+            refuses the slot when ``slot_ms < backend_now - window_before_ms``.
+        window_after_ms: ``max_skew`` in milliseconds; a lease backend refuses
+            the slot when ``slot_ms > backend_now + window_after_ms``.
+        keep_until_ms: absolute epoch milliseconds before which the claim
+            record must not be forgotten (no late instance can try the slot
+            after it): ``slot + jitter + max_late + max_skew`` plus a margin.
+        lease_ms: how long the claim's lease lasts, from the backend's now,
+            before a backup runner may take the slot over (lease backends).
+        history_size: most history records to keep for this job.
+        history_ttl_ms: history records older than this (by slot) may go.
+    """
+
+    job: str
+    slot_ms: int
+    window_before_ms: int
+    window_after_ms: int
+    keep_until_ms: int
+    lease_ms: int = 60_000
+    history_size: int = 100
+    history_ttl_ms: int = 7 * 24 * 3600 * 1000
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The answer to one :class:`ClaimRequest` (or a manual claim).
+
+    Attributes:
+        job: the job's name.
+        slot_ms: the slot, epoch milliseconds (UTC).
+        won: True when this instance holds the slot and must send it.
+        token: the fencing token when won (an integer, larger for each
+            takeover of the same slot; a string on claim-only backends);
+            None when lost.
+        reason: why the claim was lost: ``"taken"`` (another instance holds
+            or held it), ``"window"`` (outside the claim window),
+            ``"unknown"`` (no answer: the outcome cannot be known), or ``""``.
+    """
+
+    job: str
+    slot_ms: int
+    won: bool
+    token: int | str | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One history record: what happened to one slot of one job.
+
+    All times are epoch milliseconds (UTC) or None when the run never got
+    there. ``manual_key`` is set for runs made by ``run_now``.
+    """
+
+    job: str
+    slot_ms: int
+    state: State
+    instance: str | None = None
+    token: int | str | None = None
+    claimed_at_ms: int | None = None
+    sent_at_ms: int | None = None
+    started_at_ms: int | None = None
+    finished_at_ms: int | None = None
+    task_id: str | None = None
+    error: str | None = None
+    manual_key: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The record as plain JSON-ready values (state as its string)."""
+        return {
+            "job": self.job,
+            "slot_ms": self.slot_ms,
+            "state": self.state.value,
+            "instance": self.instance,
+            "token": self.token,
+            "claimed_at_ms": self.claimed_at_ms,
+            "sent_at_ms": self.sent_at_ms,
+            "started_at_ms": self.started_at_ms,
+            "finished_at_ms": self.finished_at_ms,
+            "task_id": self.task_id,
+            "error": self.error,
+            "manual_key": self.manual_key,
+        }
+
+
+@dataclass(frozen=True)
+class InstanceInfo:
+    """A live scheduler instance, as kept in the instance registry.
+
+    Attributes:
+        instance: the instance id (``host:pid:random``).
+        host: host name.
+        pid: process id.
+        version: celery-anarchon version.
+        started_ms: start time, epoch milliseconds.
+        heartbeat_ms: last heartbeat, epoch milliseconds (backend clock).
+        fingerprint: hash of the instance's schedule definitions.
+        jobs: per-job definition hashes, ``{job: hash}``.
+    """
+
+    instance: str
+    host: str
+    pid: int
+    version: str
+    started_ms: int
+    heartbeat_ms: int = 0
+    fingerprint: str = ""
+    jobs: dict[str, str] = field(default_factory=dict)
+
+
+class Backend(abc.ABC):
+    """A shared store in which instances claim slots.
+
+    Construct with a URL or a client the user owns (then :meth:`close` never
+    closes it), the instance id of this scheduler, and backend options. The
+    constructor must not connect: :meth:`open` does, so that Celery's
+    ``lazy=True`` contract holds.
+
+    Every method that talks to the backend raises
+    :class:`~celery_anarchon.exceptions.BackendUnavailable` (``from`` the
+    driver's error) when the backend cannot be reached or does not answer in
+    time; never another driver exception.
+    """
+
+    #: True for lease backends (owner, fencing token, expiry, backend clock).
+    supports_leases: ClassVar[bool] = True
+
+    #: Options this backend accepts (``anarchon_backend_options`` keys and URL
+    #: query parameters); anything else is a ConfigurationError.
+    options: ClassVar[frozenset[str]] = frozenset()
+
+    instance: str
+
+    @abc.abstractmethod
+    def open(self) -> None:
+        """Connect and create the schema (tables, scripts) if missing.
+
+        Idempotent. Raises:
+            BackendUnavailable: the backend cannot be reached.
+            ConfigurationError: the backend is reachable but unusable as
+                configured (e.g. a Redis eviction policy that could drop claims).
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release connections this backend opened. Safe to call twice."""
+
+    @abc.abstractmethod
+    def now_ms(self) -> int:
+        """The backend's clock (the server's where it has one), epoch ms."""
+
+    @abc.abstractmethod
+    def claim(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
+        """Claim slots, exactly one winner per ``(job, slot_ms)`` across all
+        instances, ever, while the claim record is kept.
+
+        Returns one :class:`Claim` per request, in request order. A won claim
+        is recorded in history as ``claimed`` with this instance as owner and
+        a fresh fencing token. A slot already claimed, or recorded in any
+        state, is lost with reason ``"taken"``; a slot outside the claim
+        window is lost with reason ``"window"`` (lease backends).
+
+        Raises:
+            BackendUnavailable: no answer; the caller must treat every
+                request of the batch as lost.
+        """
+
+    @abc.abstractmethod
+    def mark(
+        self,
+        claim: Claim,
+        state: State,
+        *,
+        task_id: str | None = None,
+        error: str | None = None,
+    ) -> bool:
+        """Move a won claim's record to ``state``, fenced by ``claim.token``.
+
+        Sets the matching timestamp (``sent_at_ms`` for SENT,
+        ``started_at_ms`` for RUNNING, ``finished_at_ms`` for SUCCEEDED,
+        FAILED and LOST), and ``task_id`` / ``error`` when given.
+
+        Returns:
+            False when the record's current token is not ``claim.token``
+            (another instance took the slot over); nothing is written then.
+            Claim-only backends, which have no token to check, append the
+            state and return True.
+        Raises:
+            BackendUnavailable: no answer.
+        """
+
+    @abc.abstractmethod
+    def record_if_absent(
+        self,
+        job: str,
+        slot_ms: int,
+        state: State,
+        *,
+        error: str | None = None,
+        history_size: int = 100,
+        history_ttl_ms: int = 7 * 24 * 3600 * 1000,
+        keep_until_ms: int = 0,
+    ) -> bool:
+        """Record ``state`` (``missed`` or ``skipped``) for a slot that has no
+        record yet. The record also closes the slot: it can no longer be
+        claimed.
+
+        Returns:
+            True when written; False when the slot already had a record
+            (another instance claimed it, so it was not missed).
+        Raises:
+            BackendUnavailable: no answer.
+        """
+
+    def release(self, claims: Sequence[Claim]) -> None:  # noqa: B027
+        """Give back won claims that were not sent (hand-over on shutdown),
+        so another instance can claim them at once. Fenced by token; a claim
+        already sent is left alone. Claim-only backends cannot release and
+        do nothing.
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+
+    @abc.abstractmethod
+    def history(self, job: str, limit: int | None = None) -> list[RunRecord]:
+        """The job's history, newest slot first, at most ``limit`` records
+        (all kept records when None).
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+
+    def last_run(self, job: str) -> RunRecord | None:
+        """The newest record of a run that was really sent (state ``sent``,
+        ``running``, ``succeeded`` or ``failed``), or None.
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        for record in self.history(job):
+            if record.state in SENT_STATES:
+                return record
+        return None
+
+    @abc.abstractmethod
+    def claim_manual(self, job: str, key: str, keep_until_ms: int) -> Claim:
+        """Claim a manual run (``run_now``) of ``job`` under ``key``.
+
+        Calls with the same ``(job, key)`` win once, on every instance, while
+        the record is kept (at least until ``keep_until_ms``). The won
+        claim's ``slot_ms`` is the backend's now, and it is recorded in
+        history as ``claimed`` with ``manual_key = key``.
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+
+    # -- instance registry (lease backends; claim-only backends keep none) --
+
+    def register(self, info: InstanceInfo, ttl_ms: int) -> None:  # noqa: B027
+        """Add or refresh this instance in the registry; it drops out
+        ``ttl_ms`` after its last call unless refreshed."""
+
+    def unregister(self, instance: str) -> None:  # noqa: B027
+        """Remove an instance from the registry (graceful shutdown)."""
+
+    def instances(self) -> list[InstanceInfo]:
+        """The live instances, oldest start first (empty when not kept)."""
+        return []
+
+    def describe(self) -> str:
+        """The backend for logs and banners, credentials masked."""
+        return type(self).__name__
