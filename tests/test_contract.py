@@ -1,0 +1,318 @@
+"""The backend contract (``celery_anarchon/backends/base.py``), run against
+every backend through one parametrised fixture: SQLite, PostgreSQL, MySQL,
+Redis and RabbitMQ (claim-only parts; lease-only tests skip there).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from celery_anarchon.backends import backend_from_url
+from celery_anarchon.backends.base import Backend, Claim, ClaimRequest, State
+from celery_anarchon.exceptions import BackendUnavailable, ConfigurationError
+
+from .conftest import BackendFactory
+
+pytestmark = pytest.mark.services
+
+DAY_MS = 24 * 3600 * 1000
+
+
+def request_for(backend: Backend, job: str, slot_ms: int | None = None, **kw: int) -> ClaimRequest:
+    """A claim request for ``slot_ms`` (default: the backend's now)."""
+    slot = backend.now_ms() if slot_ms is None else slot_ms
+    fields = {
+        "window_before_ms": 60_000,
+        "window_after_ms": 10_000,
+        "keep_until_ms": slot + 120_000,
+        "lease_ms": 30_000,
+    }
+    fields.update(kw)
+    return ClaimRequest(job=job, slot_ms=slot, **fields)
+
+
+def slots_from(backend: Backend, count: int) -> list[int]:
+    """``count`` distinct slots inside the claim window, oldest first."""
+    base = backend.now_ms() - 50_000
+    step = 50_000 // count
+    return [base + i * step for i in range(count)]
+
+
+def lease_only(backend: Backend) -> None:
+    if not backend.supports_leases:
+        pytest.skip(f"{type(backend).__name__} is claim-only")
+
+
+# -- claims ----------------------------------------------------------------
+
+
+def test_a_slot_is_won_once(make_backend: BackendFactory, job: str) -> None:
+    a, b = make_backend("host-a"), make_backend("host-b")
+    req = request_for(a, job)
+    first = a.claim([req])[0]
+    second = b.claim([req])[0]
+    again = a.claim([req])[0]
+    assert first.won and first.token is not None
+    assert (first.job, first.slot_ms) == (job, req.slot_ms)
+    assert not second.won and second.reason == "taken" and second.token is None
+    assert not again.won and again.reason == "taken"
+
+
+def test_batch_answers_in_request_order(make_backend: BackendFactory, job: str) -> None:
+    a, b = make_backend("host-a"), make_backend("host-b")
+    slots = slots_from(a, 6)
+    a.claim([request_for(a, job, s) for s in slots[::2]])
+    answers = b.claim([request_for(b, job, s) for s in slots])
+    assert [c.slot_ms for c in answers] == slots
+    assert [c.won for c in answers] == [False, True, False, True, False, True]
+
+
+def test_concurrent_claims_have_one_winner_per_slot(make_backend: BackendFactory, job: str) -> None:
+    backends = [make_backend(f"host-{i}") for i in range(6)]
+    slots = slots_from(backends[0], 100)
+    requests = [request_for(backends[0], job, s) for s in slots]
+    won: list[list[Claim]] = [[] for _ in backends]
+    barrier = threading.Barrier(len(backends))
+
+    def race(i: int) -> None:
+        barrier.wait()
+        for start in range(0, len(requests), 25):
+            won[i].extend(c for c in backends[i].claim(requests[start : start + 25]) if c.won)
+
+    threads = [threading.Thread(target=race, args=(i,)) for i in range(len(backends))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    winners = Counter(c.slot_ms for claims in won for c in claims)
+    assert sorted(winners) == sorted(slots)
+    assert set(winners.values()) == {1}
+
+
+def test_claim_window_refuses_slots_by_backend_clock(backend: Backend, job: str) -> None:
+    lease_only(backend)
+    now = backend.now_ms()
+    late = backend.claim([request_for(backend, job, now - 70_000)])[0]
+    early = backend.claim([request_for(backend, job, now + 60_000)])[0]
+    inside = backend.claim([request_for(backend, job, now - 5_000)])[0]
+    assert (late.won, late.reason) == (False, "window")
+    assert (early.won, early.reason) == (False, "window")
+    assert inside.won
+
+
+# -- states and fencing ----------------------------------------------------
+
+
+def test_won_claim_is_recorded_as_claimed(backend: Backend, job: str) -> None:
+    claim = backend.claim([request_for(backend, job)])[0]
+    [record] = backend.history(job)
+    assert (record.job, record.slot_ms, record.state) == (job, claim.slot_ms, State.CLAIMED)
+    assert record.instance == "instance-a"
+    assert record.claimed_at_ms is not None
+
+
+def test_mark_sent_records_task_id_and_time(backend: Backend, job: str) -> None:
+    claim = backend.claim([request_for(backend, job)])[0]
+    assert backend.mark(claim, State.SENT, task_id="task-1")
+    [record] = backend.history(job)
+    assert record.state is State.SENT
+    assert record.task_id == "task-1"
+    assert record.sent_at_ms is not None
+
+
+def test_mark_with_a_stale_token_is_refused(backend: Backend, job: str) -> None:
+    lease_only(backend)
+    claim = backend.claim([request_for(backend, job)])[0]
+    assert isinstance(claim.token, int)
+    stale = Claim(job=job, slot_ms=claim.slot_ms, won=True, token=claim.token + 1)
+    assert not backend.mark(stale, State.SENT, task_id="stale")
+    [record] = backend.history(job)
+    assert record.state is State.CLAIMED and record.task_id is None
+
+
+def test_worker_states_follow_the_run(backend: Backend, job: str) -> None:
+    claim = backend.claim([request_for(backend, job)])[0]
+    backend.mark(claim, State.SENT, task_id="t")
+    backend.mark(claim, State.RUNNING)
+    backend.mark(claim, State.FAILED, error="ZeroDivisionError: boom")
+    [record] = backend.history(job)
+    assert record.state is State.FAILED
+    assert record.error == "ZeroDivisionError: boom"
+    assert record.finished_at_ms is not None and record.started_at_ms is not None
+
+
+def test_missed_slot_is_recorded_once_and_closes_the_slot(
+    make_backend: BackendFactory, job: str
+) -> None:
+    a, b = make_backend("host-a"), make_backend("host-b")
+    slot = a.now_ms() - 1_000
+    assert a.record_if_absent(job, slot, State.MISSED, keep_until_ms=slot + 120_000)
+    assert not b.record_if_absent(job, slot, State.MISSED, keep_until_ms=slot + 120_000)
+    assert not b.claim([request_for(b, job, slot)])[0].won
+    assert [r.state for r in a.history(job)] == [State.MISSED]
+
+
+def test_a_claimed_slot_is_not_recorded_missed(make_backend: BackendFactory, job: str) -> None:
+    a, b = make_backend("host-a"), make_backend("host-b")
+    claim = a.claim([request_for(a, job)])[0]
+    assert not b.record_if_absent(job, claim.slot_ms, State.MISSED, keep_until_ms=0)
+    assert [r.state for r in a.history(job)] == [State.CLAIMED]
+
+
+def test_release_lets_another_instance_claim(make_backend: BackendFactory, job: str) -> None:
+    a, b = make_backend("host-a"), make_backend("host-b")
+    lease_only(a)
+    req = request_for(a, job)
+    claim = a.claim([req])[0]
+    a.release([claim])
+    taken = b.claim([req])[0]
+    assert taken.won
+    assert [(r.state, r.instance) for r in b.history(job)] == [(State.CLAIMED, "host-b")]
+
+
+def test_release_leaves_a_sent_slot_alone(make_backend: BackendFactory, job: str) -> None:
+    a, b = make_backend("host-a"), make_backend("host-b")
+    lease_only(a)
+    req = request_for(a, job)
+    claim = a.claim([req])[0]
+    a.mark(claim, State.SENT, task_id="t")
+    a.release([claim])
+    assert not b.claim([req])[0].won
+
+
+# -- history ---------------------------------------------------------------
+
+
+def test_history_is_newest_first_and_limited(backend: Backend, job: str) -> None:
+    slots = slots_from(backend, 5)
+    for slot in slots:
+        backend.claim([request_for(backend, job, slot)])
+    records = backend.history(job)
+    assert [r.slot_ms for r in records] == sorted(slots, reverse=True)
+    assert [r.slot_ms for r in backend.history(job, limit=2)] == sorted(slots, reverse=True)[:2]
+    assert backend.history(f"{job}-other") == []
+
+
+def test_history_is_trimmed_to_history_size(backend: Backend, job: str) -> None:
+    lease_only(backend)
+    now = backend.now_ms()
+    # Old slots (window widened so they may be claimed) whose records no late
+    # instance needs any more: only history_size of them stay.
+    for i in range(30):
+        slot = now - DAY_MS + i * 1000
+        claim = backend.claim(
+            [
+                request_for(
+                    backend,
+                    job,
+                    slot,
+                    window_before_ms=2 * DAY_MS,
+                    keep_until_ms=slot + 1,
+                )
+            ]
+        )[0]
+        assert claim.won
+        backend.mark(claim, State.SENT, task_id=f"t{i}")
+    req = ClaimRequest(
+        job=job,
+        slot_ms=now,
+        window_before_ms=60_000,
+        window_after_ms=10_000,
+        keep_until_ms=now + 120_000,
+        history_size=5,
+    )
+    backend.claim([req])
+    records = backend.history(job)
+    assert len(records) <= 5
+    assert records[0].slot_ms == now
+
+
+def test_last_run_is_the_newest_sent_run(backend: Backend, job: str) -> None:
+    assert backend.last_run(job) is None
+    old, new = slots_from(backend, 2)
+    sent = backend.claim([request_for(backend, job, old)])[0]
+    backend.mark(sent, State.SENT, task_id="sent-one")
+    backend.claim([request_for(backend, job, new)])  # claimed, never sent
+    last = backend.last_run(job)
+    assert last is not None and last.slot_ms == old and last.task_id == "sent-one"
+
+
+# -- run_now ---------------------------------------------------------------
+
+
+def test_manual_claim_wins_once_per_key(make_backend: BackendFactory, job: str) -> None:
+    a, b = make_backend("host-a"), make_backend("host-b")
+    keep = a.now_ms() + 60_000
+    first = a.claim_manual(job, "deploy-42", keep)
+    second = b.claim_manual(job, "deploy-42", keep)
+    other = b.claim_manual(job, "deploy-43", keep)
+    assert first.won and not second.won and other.won
+    keys = sorted(r.manual_key or "" for r in a.history(job))
+    assert keys == ["deploy-42", "deploy-43"]
+
+
+def test_manual_claim_race_has_one_winner(make_backend: BackendFactory, job: str) -> None:
+    backends = [make_backend(f"host-{i}") for i in range(6)]
+    keep = backends[0].now_ms() + 60_000
+    results: list[bool] = []
+    barrier = threading.Barrier(len(backends))
+
+    def race(b: Backend) -> None:
+        barrier.wait()
+        results.append(b.claim_manual(job, "same-key", keep).won)
+
+    threads = [threading.Thread(target=race, args=(b,)) for b in backends]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(results) == [False] * 5 + [True]
+
+
+# -- lifecycle and failure -------------------------------------------------
+
+UNREACHABLE = {
+    "sqlite": "sqlite:////nonexistent-anarchon-dir/x/claims.db",
+    "postgresql": "postgresql://postgres@127.0.0.1:1/test",
+    "mysql": "mysql+pymysql://root@127.0.0.1:1/test",
+    "redis": "redis://127.0.0.1:1/0",
+    "rabbitmq": "amqp://guest:guest@127.0.0.1:1//",
+}
+
+
+def test_unreachable_backend_raises_backend_unavailable(backend_name: str) -> None:
+    away = backend_from_url(UNREACHABLE[backend_name], instance="x")
+    started = time.monotonic()
+    expected: tuple[type[Exception], ...] = (BackendUnavailable,)
+    if backend_name == "sqlite":
+        expected = (BackendUnavailable, ConfigurationError)
+    with pytest.raises(expected):
+        away.open()
+        away.claim([ClaimRequest("job", 0, 1, 1, 1)])
+    assert time.monotonic() - started < 15
+    away.close()
+
+
+def test_constructing_does_not_connect(backend_name: str) -> None:
+    backend_from_url(UNREACHABLE[backend_name], instance="x")  # no error: lazy
+
+
+def test_close_twice_is_safe(make_backend: BackendFactory) -> None:
+    b = make_backend("host-a")
+    b.close()
+    b.close()
+
+
+def test_describe_masks_credentials(backend_name: str, tmp_path: object) -> None:
+    url = {
+        "postgresql": "postgresql://user:s3cret@127.0.0.1:1/test",
+        "mysql": "mysql+pymysql://user:s3cret@127.0.0.1:1/test",
+        "redis": "redis://:s3cret@127.0.0.1:1/0",
+        "rabbitmq": "amqp://user:s3cret@127.0.0.1:1//",
+        "sqlite": "sqlite:////tmp/x.db",
+    }[backend_name]
+    assert "s3cret" not in backend_from_url(url, instance="x").describe()
