@@ -75,9 +75,7 @@ def backend_class(url: str) -> type[Backend]:
     except ImportError as exc:
         missing = (exc.name or "").split(".")[0]
         extra = _EXTRAS.get(missing)
-        fix = (
-            f"pip install 'celery-anarchon[{extra}]'" if extra else f"pip install {missing}"
-        )
+        fix = f"pip install 'celery-anarchon[{extra}]'" if extra else f"pip install {missing}"
         raise ConfigurationError(
             f"anarchon_backend {sanitize_url(url)!r} needs the {missing!r} package: {fix}"
         ) from exc

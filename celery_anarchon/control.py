@@ -1,0 +1,190 @@
+"""The Python API for operators: history, last run, run now.
+
+::
+
+    from celery_anarchon.control import Control
+
+    with Control(app) as control:
+        control.history("nightly-report", limit=10)
+        control.last_run("nightly-report")
+        control.run_now("nightly-report")        # sends once per second
+        control.run_now("nightly-report", key="deploy-42")  # once per key
+
+The ``celery anarchon`` commands are a thin layer over this class.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .backends import backend_from_url
+from .backends.base import Backend, InstanceInfo, RunRecord, State
+from .exceptions import ConfigurationError
+from .scheduler import (
+    Entry,
+    Job,
+    app_zone,
+    build_jobs,
+    manual_task_id,
+    new_instance_id,
+    send_slot,
+)
+from .settings import Settings
+
+__all__ = ["Control", "RunNowResult"]
+
+logger = logging.getLogger(__name__)
+
+#: How long a run-now key is remembered, milliseconds.
+MANUAL_KEY_KEEP_MS = 24 * 3600 * 1000
+
+
+@dataclass(frozen=True)
+class RunNowResult:
+    """What :meth:`Control.run_now` did.
+
+    Attributes:
+        job: the job's name.
+        key: the run-now key used.
+        sent: True when this call sent the task; False when a call with the
+            same key already did (on any host).
+        task_id: the task id of the run (the same for every call with one key).
+        slot_ms: the run's slot (the backend's now when it was claimed),
+            epoch ms, or None when not sent by this call.
+    """
+
+    job: str
+    key: str
+    sent: bool
+    task_id: str
+    slot_ms: int | None
+
+
+class Control:
+    """Operator access to one app's jobs and their history.
+
+    Args:
+        app: the Celery app (its ``beat_schedule`` and ``anarchon_*``
+            settings).
+        schedule_filename: beat's ``-s`` file, when the default SQLite
+            backend is used and beat runs with a non-default one.
+        backend: an already-built backend (tests); default from settings.
+    Raises:
+        ConfigurationError: bad settings or schedules (as beat would refuse).
+    """
+
+    def __init__(
+        self,
+        app: Any,
+        *,
+        schedule_filename: str | None = None,
+        backend: Backend | None = None,
+    ) -> None:
+        self.app = app
+        self.settings = Settings.from_app(app, schedule_filename=schedule_filename)
+        self.instance_id = new_instance_id()
+        self.backend = backend or backend_from_url(
+            self.settings.backend,
+            instance=self.instance_id,
+            options=dict(self.settings.backend_options),
+            client=self.settings.backend_client,
+        )
+        entries = {
+            name: Entry(**dict(spec, name=name, app=app))
+            for name, spec in (app.conf.beat_schedule or {}).items()
+        }
+        self.jobs: dict[str, Job] = build_jobs(entries, self.settings, app_zone(app))
+        self._opened = False
+
+    def __enter__(self) -> Control:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _open(self) -> Backend:
+        if not self._opened:
+            self.backend.open()
+            self._opened = True
+        return self.backend
+
+    def job(self, name: str) -> Job:
+        """The job called ``name``.
+
+        Raises:
+            ConfigurationError: no such job in ``beat_schedule``.
+        """
+        try:
+            return self.jobs[name]
+        except KeyError:
+            known = ", ".join(sorted(self.jobs)) or "none"
+            raise ConfigurationError(
+                f"no job named {name!r} in beat_schedule (known: {known})."
+            ) from None
+
+    def history(self, job: str, limit: int | None = None) -> list[RunRecord]:
+        """``job``'s history, newest slot first, at most ``limit`` records.
+
+        Works for a job no longer in ``beat_schedule`` too (its history stays).
+
+        Raises:
+            BackendUnavailable: the backend does not answer.
+        """
+        return self._open().history(job, limit)
+
+    def last_run(self, job: str) -> RunRecord | None:
+        """The newest run of ``job`` that was really sent, or None.
+
+        Raises:
+            BackendUnavailable: the backend does not answer.
+        """
+        return self._open().last_run(job)
+
+    def run_now(self, job: str, key: str | None = None) -> RunNowResult:
+        """Send ``job``'s task now, once per ``key`` across all hosts.
+
+        Args:
+            job: the job's name in ``beat_schedule``.
+            key: calls with the same key send once; default: the current
+                second (UTC epoch seconds), so a double click sends once.
+        Returns:
+            a :class:`RunNowResult`.
+        Raises:
+            ConfigurationError: unknown job.
+            BackendUnavailable: the backend does not answer (nothing sent).
+            Exception: the broker refused the send (recorded as ``lost``).
+        """
+        target = self.job(job)
+        key = key if key is not None else str(int(time.time()))
+        backend = self._open()
+        task_id = manual_task_id(job, key)
+        claim = backend.claim_manual(job, key, backend.now_ms() + MANUAL_KEY_KEEP_MS)
+        if not claim.won:
+            return RunNowResult(job, key, sent=False, task_id=task_id, slot_ms=None)
+        try:
+            send_slot(
+                self.app,
+                target.entry,
+                job=job,
+                slot_ms=claim.slot_ms,
+                token=claim.token,
+                task_id=task_id,
+            )
+        except Exception as exc:
+            backend.mark(claim, State.LOST, task_id=task_id, error=f"send failed: {exc!r}")
+            raise
+        backend.mark(claim, State.SENT, task_id=task_id)
+        logger.info("anarchon: run-now sent %s (key %s, id %s)", job, key, task_id)
+        return RunNowResult(job, key, sent=True, task_id=task_id, slot_ms=claim.slot_ms)
+
+    def instances(self) -> list[InstanceInfo]:
+        """The live scheduler instances (lease backends keep a registry)."""
+        return self._open().instances()
+
+    def close(self) -> None:
+        """Close the backend connection. Safe to call twice."""
+        self.backend.close()
+        self._opened = False

@@ -1,0 +1,313 @@
+"""Settings, read once from Celery's configuration into frozen objects.
+
+Every setting is an ``anarchon_*`` key of ``app.conf`` (Django projects using
+``namespace='CELERY'`` write ``CELERY_ANARCHON_*``; Celery maps the prefix).
+Durations are seconds (``int``/``float``) or :class:`datetime.timedelta` and
+are stored as float seconds. Per-job overrides live under an ``'anarchon'``
+key of a ``beat_schedule`` entry.
+
+Bad values raise :class:`~celery_anarchon.exceptions.ConfigurationError` at
+start-up, naming the job (when per-job), the setting and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from .exceptions import ConfigurationError
+
+__all__ = ["JobOptions", "Settings", "OVERLAP_POLICIES", "CATCH_UP_POLICIES"]
+
+OVERLAP_POLICIES = ("allow", "skip")
+CATCH_UP_POLICIES = ("none", "latest", "all")
+
+#: Keys allowed under a beat_schedule entry's ``'anarchon'`` key.
+JOB_KEYS = frozenset(
+    {
+        "jitter",
+        "max_late",
+        "history_size",
+        "history_ttl",
+        "overlap",
+        "catch_up",
+        "catch_up_window",
+        "catch_up_limit",
+        "anchor",
+        "lease_ttl",
+    }
+)
+
+#: Default lease, seconds: long enough that a healthy instance always records
+#: its send well inside it (a send takes milliseconds; a stalled broker gets
+#: ``broker_connection_timeout`` = 4 s by default), short enough that a backup
+#: runner takes a dead owner's slot over well within the default ``max_late``
+#: of 60 s.
+DEFAULT_LEASE_TTL = 30.0
+
+
+def seconds(value: Any, *, setting: str, job: str | None = None) -> float:
+    """``value`` (number of seconds or timedelta) as float seconds >= 0.
+
+    Raises:
+        ConfigurationError: not a number or timedelta, or negative.
+    """
+    if isinstance(value, timedelta):
+        result = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        result = float(value)
+    else:
+        raise ConfigurationError(
+            f"{_where(job)}{setting} must be a number of seconds or a timedelta, got {value!r}."
+        )
+    if result < 0:
+        raise ConfigurationError(f"{_where(job)}{setting} must not be negative, got {value!r}.")
+    return result
+
+
+def _where(job: str | None) -> str:
+    return f"beat_schedule[{job!r}]['anarchon']: " if job else ""
+
+
+def _positive_int(value: Any, *, setting: str, job: str | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(
+            f"{_where(job)}{setting} must be a whole number >= 1, got {value!r}."
+        )
+    return value
+
+
+def _choice(value: Any, choices: tuple[str, ...], *, setting: str, job: str | None) -> str:
+    if value not in choices:
+        raise ConfigurationError(
+            f"{_where(job)}{setting} must be one of {', '.join(map(repr, choices))}, got {value!r}."
+        )
+    return str(value)
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """Effective options of one job (global settings with its overrides).
+
+    Attributes:
+        jitter: maximum random claim delay, seconds.
+        max_late: a slot later than this is missed, seconds.
+        history_size: most history records kept for the job.
+        history_ttl: history kept at most this long, seconds (lease backends).
+        overlap: ``'allow'`` or ``'skip'``.
+        catch_up: ``'none'``, ``'latest'`` or ``'all'``.
+        catch_up_window: only missed slots this recent count, seconds.
+        catch_up_limit: most slots one catch-up sends.
+        lease_ttl: lease length, seconds.
+        anchor_ms: anchor of interval schedules, epoch milliseconds (UTC).
+    """
+
+    jitter: float
+    max_late: float
+    history_size: int
+    history_ttl: float
+    overlap: str
+    catch_up: str
+    catch_up_window: float
+    catch_up_limit: int
+    lease_ttl: float
+    anchor_ms: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """The options as plain values (for ``celery anarchon jobs``)."""
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """All ``anarchon_*`` settings of one app, validated.
+
+    Attributes:
+        backend: claim backend URL, or None when ``backend_client`` is used.
+        backend_client: a client object the user owns, or None.
+        backend_options: backend options (``prefix``, ``slot_ttl``, ...).
+        defaults: the global :class:`JobOptions` every job starts from.
+        max_skew: clock difference tolerated between instances and the
+            backend, seconds.
+        allow_eviction: accept a Redis that may evict claim keys.
+        explicit: names of the settings the user set explicitly.
+    """
+
+    backend: str | None
+    backend_client: Any
+    backend_options: Mapping[str, Any]
+    defaults: JobOptions
+    max_skew: float
+    allow_eviction: bool
+    explicit: frozenset[str] = field(default_factory=frozenset)
+
+    @classmethod
+    def from_app(cls, app: Any, *, schedule_filename: str | None = None) -> Settings:
+        """Read and validate the settings of Celery ``app``.
+
+        Args:
+            app: the Celery app.
+            schedule_filename: beat's schedule file (``-s``); the default
+                SQLite backend lives beside it.
+        Raises:
+            ConfigurationError: a value is of the wrong type or out of range.
+        """
+        conf = app.conf
+        explicit = frozenset(k for k in _GLOBAL_KEYS if conf.get(f"anarchon_{k}") is not None)
+
+        def get(key: str, default: Any) -> Any:
+            value = conf.get(f"anarchon_{key}")
+            return default if value is None else value
+
+        defaults = JobOptions(
+            jitter=seconds(get("jitter", 2.0), setting="anarchon_jitter"),
+            max_late=seconds(get("max_late", 60.0), setting="anarchon_max_late"),
+            history_size=_positive_int(get("history_size", 100), setting="anarchon_history_size"),
+            history_ttl=seconds(
+                get("history_ttl", timedelta(days=7)), setting="anarchon_history_ttl"
+            ),
+            overlap=_choice(
+                get("overlap", "allow"), OVERLAP_POLICIES, setting="anarchon_overlap", job=None
+            ),
+            catch_up=_choice(
+                get("catch_up", "none"), CATCH_UP_POLICIES, setting="anarchon_catch_up", job=None
+            ),
+            catch_up_window=seconds(
+                get("catch_up_window", timedelta(days=1)), setting="anarchon_catch_up_window"
+            ),
+            catch_up_limit=_positive_int(
+                get("catch_up_limit", 100), setting="anarchon_catch_up_limit"
+            ),
+            lease_ttl=seconds(get("lease_ttl", DEFAULT_LEASE_TTL), setting="anarchon_lease_ttl"),
+        )
+        if defaults.lease_ttl == 0:
+            raise ConfigurationError("anarchon_lease_ttl must be above 0 seconds.")
+        raw_backend = conf.get("anarchon_backend")
+        client = None
+        url: str | None
+        if raw_backend is None or isinstance(raw_backend, str):
+            url = raw_backend or default_backend_url(conf, schedule_filename)
+        else:
+            url, client = None, raw_backend
+        options = conf.get("anarchon_backend_options") or {}
+        if not isinstance(options, Mapping):
+            raise ConfigurationError(
+                f"anarchon_backend_options must be a dict, got {type(options).__name__}."
+            )
+        return cls(
+            backend=url,
+            backend_client=client,
+            backend_options=dict(options),
+            defaults=defaults,
+            max_skew=seconds(get("max_skew", 10.0), setting="anarchon_max_skew"),
+            allow_eviction=bool(get("allow_eviction", False)),
+            explicit=explicit,
+        )
+
+    def job_options(self, job: str, overrides: Mapping[str, Any] | None) -> JobOptions:
+        """The effective options of ``job``: defaults with its overrides.
+
+        Raises:
+            ConfigurationError: an unknown key or a bad value, naming the job.
+        """
+        if not overrides:
+            return self.defaults
+        if not isinstance(overrides, Mapping):
+            raise ConfigurationError(
+                f"beat_schedule[{job!r}]['anarchon'] must be a dict, got {overrides!r}."
+            )
+        unknown = sorted(set(overrides) - JOB_KEYS)
+        if unknown:
+            raise ConfigurationError(
+                f"beat_schedule[{job!r}]['anarchon']: unknown key(s) {', '.join(unknown)}; "
+                f"allowed: {', '.join(sorted(JOB_KEYS))}."
+            )
+        d = self.defaults
+        o = overrides
+
+        def dur(key: str, default: float) -> float:
+            return seconds(o[key], setting=key, job=job) if key in o else default
+
+        lease_ttl = dur("lease_ttl", d.lease_ttl)
+        if lease_ttl == 0:
+            raise ConfigurationError(f"{_where(job)}lease_ttl must be above 0 seconds.")
+        return JobOptions(
+            jitter=dur("jitter", d.jitter),
+            max_late=dur("max_late", d.max_late),
+            history_size=(
+                _positive_int(o["history_size"], setting="history_size", job=job)
+                if "history_size" in o
+                else d.history_size
+            ),
+            history_ttl=dur("history_ttl", d.history_ttl),
+            overlap=_choice(
+                o.get("overlap", d.overlap), OVERLAP_POLICIES, setting="overlap", job=job
+            ),
+            catch_up=_choice(
+                o.get("catch_up", d.catch_up), CATCH_UP_POLICIES, setting="catch_up", job=job
+            ),
+            catch_up_window=dur("catch_up_window", d.catch_up_window),
+            catch_up_limit=(
+                _positive_int(o["catch_up_limit"], setting="catch_up_limit", job=job)
+                if "catch_up_limit" in o
+                else d.catch_up_limit
+            ),
+            lease_ttl=lease_ttl,
+            anchor_ms=_anchor_ms(o["anchor"], job) if "anchor" in o else d.anchor_ms,
+        )
+
+
+_GLOBAL_KEYS = (
+    "jitter",
+    "max_late",
+    "max_skew",
+    "history_size",
+    "history_ttl",
+    "lease_ttl",
+    "overlap",
+    "catch_up",
+    "catch_up_window",
+    "catch_up_limit",
+)
+
+
+def _anchor_ms(value: Any, job: str) -> int:
+    if isinstance(value, datetime):
+        if value.tzinfo is None or value.utcoffset() is None:
+            raise ConfigurationError(
+                f"{_where(job)}anchor must be a timezone-aware datetime, got naive {value!r}; "
+                "add tzinfo=timezone.utc (or the zone you mean)."
+            )
+        return int(round(value.timestamp() * 1000))
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return int(round(value * 1000))
+    raise ConfigurationError(
+        f"{_where(job)}anchor must be an aware datetime or epoch seconds, got {value!r}."
+    )
+
+
+def first_broker_url(conf: Any) -> str:
+    """The first URL of ``broker_url`` (which may be a list or ``;``-joined)."""
+    broker = conf.get("broker_url") or conf.get("broker_write_url") or ""
+    if isinstance(broker, (list, tuple)):
+        broker = broker[0] if broker else ""
+    return str(broker).split(";")[0].strip()
+
+
+def default_backend_url(conf: Any, schedule_filename: str | None) -> str:
+    """The backend used when ``anarchon_backend`` is unset.
+
+    The broker itself when it is Redis or RabbitMQ (zero configuration), else
+    a SQLite file beside beat's schedule file (``<schedule>.anarchon.db``).
+    """
+    broker = first_broker_url(conf)
+    scheme = broker.split("://", 1)[0].lower() if "://" in broker else ""
+    if scheme in {"redis", "rediss", "sentinel", "redis+sentinel"}:
+        return broker
+    if scheme in {"amqp", "amqps", "pyamqp"}:
+        return broker
+    filename = schedule_filename or conf.get("beat_schedule_filename") or "celerybeat-schedule"
+    return f"sqlite:///{os.path.abspath(filename)}.anarchon.db"
