@@ -1,0 +1,121 @@
+"""Settings: defaults, Django's CELERY_ prefix, per-job overrides, bad input."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from celery import Celery
+
+from celery_anarchon.exceptions import ConfigurationError
+from celery_anarchon.settings import Settings, default_backend_url
+
+
+def make_app(**conf: object) -> Celery:
+    app = Celery("settings-test", set_as_current=False)
+    app.conf.update(conf)
+    return app
+
+
+def test_defaults_match_the_design() -> None:
+    s = Settings.from_app(make_app(), schedule_filename="/srv/beat/celerybeat-schedule")
+    d = s.defaults
+    assert (d.jitter, d.max_late, d.history_size) == (2.0, 60.0, 100)
+    assert d.history_ttl == 7 * 24 * 3600
+    assert (d.overlap, d.catch_up, d.catch_up_window, d.catch_up_limit) == (
+        "allow",
+        "none",
+        24 * 3600,
+        100,
+    )
+    assert s.max_skew == 10.0
+    assert s.backend == "sqlite:////srv/beat/celerybeat-schedule.anarchon.db"
+    assert s.explicit == frozenset()
+
+
+@pytest.mark.parametrize(
+    ("broker", "expected"),
+    [
+        ("redis://cache:6379/0", "redis://cache:6379/0"),
+        ("rediss://:pw@cache:6380/2", "rediss://:pw@cache:6380/2"),
+        ("amqp://guest:guest@rabbit:5672//", "amqp://guest:guest@rabbit:5672//"),
+        ("pyamqp://rabbit//", "pyamqp://rabbit//"),
+        ("filesystem://", "sqlite:///"),
+        ("sqs://", "sqlite:///"),
+    ],
+)
+def test_default_backend_follows_a_redis_or_rabbitmq_broker(broker: str, expected: str) -> None:
+    url = default_backend_url(make_app(broker_url=broker).conf, "/b/celerybeat-schedule")
+    assert url.startswith(expected)
+
+
+def test_failover_broker_list_uses_the_first_url() -> None:
+    conf = make_app(broker_url="redis://a:6379/0;redis://b:6379/0").conf
+    assert default_backend_url(conf, None) == "redis://a:6379/0"
+
+
+def test_django_celery_prefix_is_read() -> None:
+    class DjangoSettings:
+        CELERY_ANARCHON_JITTER = 0.5
+        CELERY_ANARCHON_MAX_LATE = timedelta(seconds=30)
+        CELERY_ANARCHON_BACKEND = "redis://cache:6379/3"
+
+    app = Celery("django-style", set_as_current=False)
+    app.config_from_object(DjangoSettings, namespace="CELERY")
+    s = Settings.from_app(app)
+    assert (s.defaults.jitter, s.defaults.max_late) == (0.5, 30.0)
+    assert s.backend == "redis://cache:6379/3"
+    assert "jitter" in s.explicit
+
+
+def test_timedelta_and_numbers_are_seconds() -> None:
+    s = Settings.from_app(
+        make_app(anarchon_jitter=timedelta(milliseconds=250), anarchon_max_late=5)
+    )
+    assert (s.defaults.jitter, s.defaults.max_late) == (0.25, 5.0)
+
+
+def test_per_job_overrides() -> None:
+    s = Settings.from_app(make_app())
+    anchor = datetime(2026, 1, 1, 6, tzinfo=timezone.utc)
+    o = s.job_options("sync", {"jitter": 0, "max_late": 5, "anchor": anchor, "history_size": 7})
+    assert (o.jitter, o.max_late, o.history_size) == (0.0, 5.0, 7)
+    assert o.anchor_ms == int(anchor.timestamp() * 1000)
+    assert s.job_options("other", None) == s.defaults
+
+
+@pytest.mark.parametrize(
+    ("conf", "words"),
+    [
+        ({"anarchon_jitter": "2s"}, ["anarchon_jitter", "number of seconds"]),
+        ({"anarchon_max_late": -1}, ["anarchon_max_late", "negative"]),
+        ({"anarchon_history_size": 0}, ["anarchon_history_size", ">= 1"]),
+        ({"anarchon_overlap": "queue"}, ["anarchon_overlap", "'allow'", "'skip'"]),
+        ({"anarchon_catch_up": "some"}, ["anarchon_catch_up", "'latest'"]),
+        ({"anarchon_lease_ttl": 0}, ["anarchon_lease_ttl"]),
+        ({"anarchon_backend_options": ["prefix"]}, ["anarchon_backend_options", "dict"]),
+    ],
+)
+def test_bad_global_settings_are_refused(conf: dict[str, object], words: list[str]) -> None:
+    with pytest.raises(ConfigurationError) as err:
+        Settings.from_app(make_app(**conf))
+    for word in words:
+        assert word in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        ({"jitters": 1}, ["'nightly'", "jitters", "allowed"]),
+        ({"max_late": "soon"}, ["'nightly'", "max_late"]),
+        ({"overlap": "wait"}, ["'nightly'", "overlap"]),
+        ({"anchor": datetime(2026, 1, 1)}, ["'nightly'", "anchor", "naive"]),
+        ("fast", ["'nightly'", "must be a dict"]),
+    ],
+)
+def test_bad_per_job_options_name_the_job(overrides: object, words: list[str]) -> None:
+    s = Settings.from_app(make_app())
+    with pytest.raises(ConfigurationError) as err:
+        s.job_options("nightly", overrides)  # type: ignore[arg-type]
+    for word in words:
+        assert word in str(err.value)
