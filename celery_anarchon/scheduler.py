@@ -56,6 +56,9 @@ REGISTRY_TTL = 30.0
 BACKOFF_MIN = 1.0
 BACKOFF_MAX = 30.0
 
+#: Longest a tick keeps taking rounds of due slots before returning, seconds.
+TICK_BUDGET = 1.0
+
 #: Most missed slots of one job recorded one by one after a long stall; the
 #: rest are counted in the log line.
 MAX_MISSES_RECORDED = 100
@@ -440,8 +443,14 @@ class Scheduler(beat.Scheduler):
             self._connect()
         if self._backend_ready and now >= self._next_heartbeat:
             self._heartbeat(now)
-        due = self._pop_due(int(now * 1000))
-        if due:
+        # A job has one slot in the heap at a time, so after a stall or at
+        # start-up its next slots can be due at once: keep taking rounds,
+        # each one batch, for at most TICK_BUDGET seconds, then yield to beat.
+        deadline = time.monotonic() + TICK_BUDGET
+        while time.monotonic() < deadline:
+            due = self._pop_due(self._now_ms())
+            if not due:
+                break
             self._process(due)
         return self._sleep_seconds()
 

@@ -1,0 +1,220 @@
+"""The Scheduler in one process: a fixed clock, a real SQLite backend and
+kombu's in-process ``memory://`` transport as the Celery broker."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from kombu import Connection
+
+from celery_anarchon.backends.base import State
+from celery_anarchon.exceptions import ConfigurationError
+from celery_anarchon.scheduler import Scheduler, task_id_for
+
+
+class Clock:
+    """A clock the test moves by hand (seconds since the epoch)."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_app(tmp_path: Path, schedule: dict[str, Any], **conf: Any) -> Celery:
+    app = Celery(f"sched-{uuid.uuid4().hex[:6]}", set_as_current=False)
+    app.conf.update(
+        broker_url="memory://",
+        task_default_queue=f"q-{uuid.uuid4().hex[:8]}",
+        anarchon_backend=f"sqlite:///{tmp_path / 'claims.db'}",
+        anarchon_jitter=0,
+        beat_schedule=schedule,
+        timezone="UTC",
+        **conf,
+    )
+    return app
+
+
+def sent_messages(app: Celery) -> list[dict[str, Any]]:
+    """Take every message off the app's default queue; their headers."""
+    out = []
+    with Connection("memory://") as conn:
+        queue = conn.SimpleQueue(app.conf.task_default_queue)
+        while True:
+            try:
+                message = queue.get(timeout=0.05)
+            except queue.Empty:
+                break
+            out.append(dict(message.headers))
+            message.ack()
+        queue.close()
+    return out
+
+
+T0 = 1_800_000_000.0  # 2027-01-15T08:00:00Z, a whole minute
+
+
+@pytest.fixture
+def every_second() -> dict[str, Any]:
+    return {"tick": {"task": "proj.tick", "schedule": 1.0, "args": (1, 2)}}
+
+
+def test_sends_each_due_slot_with_headers_and_derived_task_id(
+    tmp_path: Path, every_second: dict[str, Any]
+) -> None:
+    app = make_app(tmp_path, every_second, anarchon_max_late=0.5)
+    clock = Clock(T0 + 0.5)
+    s = Scheduler(app, clock=clock)
+    try:
+        assert s.tick() == pytest.approx(0.5)  # first slot: T0 + 1
+        assert sent_messages(app) == []
+        clock.now = T0 + 1.0
+        s.tick()
+        [headers] = sent_messages(app)
+        slot = int((T0 + 1) * 1000)
+        assert headers["anarchon_job"] == "tick"
+        assert headers["anarchon_slot"] == slot
+        assert headers["anarchon_token"] == 1
+        assert headers["id"] == task_id_for("tick", slot)
+        assert headers["task"] == "proj.tick"
+        [record] = s.backend.history("tick")  # type: ignore[union-attr]
+        assert (record.state, record.task_id) == (State.SENT, task_id_for("tick", slot))
+    finally:
+        s.close()
+
+
+def test_two_schedulers_on_one_backend_send_each_slot_once(
+    tmp_path: Path, every_second: dict[str, Any]
+) -> None:
+    app = make_app(tmp_path, every_second, anarchon_max_late=0.5)
+    clock = Clock(T0 + 0.5)
+    a, b = Scheduler(app, clock=clock), Scheduler(app, clock=clock)
+    try:
+        for step in range(1, 11):
+            clock.now = T0 + step
+            (a, b)[step % 2].tick()
+            (b, a)[step % 2].tick()
+        sent = sent_messages(app)
+        slots = [h["anarchon_slot"] for h in sent]
+        assert sorted(slots) == [int((T0 + i) * 1000) for i in range(1, 11)]
+        senders = {r.instance for r in a.backend.history("tick")}  # type: ignore[union-attr]
+        assert senders == {a.instance_id, b.instance_id}
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_slot_later_than_max_late_is_recorded_missed_not_sent(
+    tmp_path: Path, every_second: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    app = make_app(tmp_path, every_second, anarchon_max_late=2)
+    clock = Clock(T0 + 0.5)
+    s = Scheduler(app, clock=clock)
+    try:
+        clock.now = T0 + 10.5  # slots T0-1 .. T0+8 are more than 2 s late
+        with caplog.at_level(logging.WARNING, logger="celery_anarchon.scheduler"):
+            s.tick()
+        sent = sorted(h["anarchon_slot"] for h in sent_messages(app))
+        assert sent == [int((T0 + i) * 1000) for i in (9, 10)]
+        history = s.backend.history("tick")  # type: ignore[union-attr]
+        missed = sorted(r.slot_ms for r in history if r.state is State.MISSED)
+        assert missed == [int((T0 + i) * 1000) for i in range(-1, 9)]
+        assert "missed 10 slot(s) of tick" in caplog.text
+    finally:
+        s.close()
+
+
+def test_start_up_never_records_old_slots_as_missed(
+    tmp_path: Path, every_second: dict[str, Any]
+) -> None:
+    app = make_app(tmp_path, every_second, anarchon_max_late=3)
+    clock = Clock(T0 + 0.5)
+    s = Scheduler(app, clock=clock)
+    try:
+        s.tick()
+        history = s.backend.history("tick")  # type: ignore[union-attr]
+        assert {r.state for r in history} == {State.SENT}
+        # The slots inside max_late before start-up are sent, nothing older.
+        assert sorted(r.slot_ms for r in history) == [int((T0 + i) * 1000) for i in (-2, -1, 0)]
+    finally:
+        s.close()
+
+
+def test_jitter_delays_the_claim_inside_the_heap(tmp_path: Path) -> None:
+    schedule = {"j": {"task": "proj.j", "schedule": 60.0, "anarchon": {"jitter": 5}}}
+    app = make_app(tmp_path, schedule, anarchon_max_late=1)
+    clock = Clock(T0 + 1)
+    s = Scheduler(app, clock=clock)
+    try:
+        clock.now = T0 + 60
+        wait = s.tick()
+        assert 0 <= wait <= 5
+        clock.now = T0 + 60 + 5
+        s.tick()
+        assert [h["anarchon_slot"] for h in sent_messages(app)] == [int((T0 + 60) * 1000)]
+    finally:
+        s.close()
+
+
+def test_lazy_construction_connects_nothing(every_second: dict[str, Any], tmp_path: Path) -> None:
+    app = make_app(tmp_path, every_second, anarchon_backend="redis://127.0.0.1:1/0")
+    s = Scheduler(app, lazy=True)
+    assert s.backend is None
+    assert "anarchon" in s.info
+    s.close()
+    s.close()
+
+
+def test_an_unreachable_backend_keeps_beat_alive_and_sends_nothing(
+    tmp_path: Path, every_second: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    app = make_app(tmp_path, every_second, anarchon_backend="redis://127.0.0.1:1/0")
+    clock = Clock(T0 + 0.5)
+    with caplog.at_level(logging.ERROR, logger="celery_anarchon.scheduler"):
+        s = Scheduler(app, clock=clock)
+        for step in range(1, 6):
+            clock.now = T0 + step
+            assert s.tick() >= 0
+    assert sent_messages(app) == []
+    assert caplog.text.count("is unavailable") == 1  # once per outage, not per slot
+    s.close()
+    s.close()
+
+
+@pytest.mark.parametrize(
+    ("schedule", "words"),
+    [
+        ("0 0 31 2 *", ["'bad'", "schedule"]),
+        ("every day", ["'bad'", "schedule"]),
+        (0, ["'bad'"]),
+        (-5.0, ["'bad'"]),
+    ],
+)
+def test_bad_schedules_are_refused_at_start_up(
+    tmp_path: Path, schedule: object, words: list[str]
+) -> None:
+    app = make_app(tmp_path, {"bad": {"task": "proj.bad", "schedule": schedule}})
+    with pytest.raises(ConfigurationError) as err:
+        Scheduler(app)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_unknown_per_entry_key_is_refused(tmp_path: Path) -> None:
+    schedule = {"sync": {"task": "proj.sync", "schedule": 5.0, "anarchon": {"jiter": 0}}}
+    with pytest.raises(ConfigurationError, match="'sync'.*jiter"):
+        Scheduler(make_app(tmp_path, schedule))
+
+
+def test_apply_entry_never_raises(tmp_path: Path, every_second: dict[str, Any]) -> None:
+    s = Scheduler(make_app(tmp_path, every_second), clock=Clock(T0))
+    try:
+        s.apply_entry(s.schedule["tick"], producer=None)
+    finally:
+        s.close()
