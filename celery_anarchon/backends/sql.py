@@ -1,0 +1,1196 @@
+"""SQL lease backend: SQLite, PostgreSQL and MySQL/MariaDB through SQLAlchemy Core.
+
+Four tables, named with the ``prefix`` option (default ``anarchon_``):
+
+=====================  ============================  ==========================================
+table                  primary key                   holds
+=====================  ============================  ==========================================
+``<prefix>runs``       ``(job, slot_ms, token)``     one record per claim of a slot: state,
+                                                     owner, lease, keep-until, timestamps,
+                                                     task id, error, manual key
+``<prefix>manual``     ``(job, manual_key)``         the slot each ``run_now`` key went to
+``<prefix>instances``  ``instance``                  the live-instance registry (heartbeats)
+``<prefix>meta``       ``name``                      ``schema_version`` (:data:`SCHEMA_VERSION`)
+=====================  ============================  ==========================================
+
+The first record of a slot always has token 1, so the key ``(job, slot_ms,
+1)`` admits one first record per slot: that is the claim's unique key. A
+takeover keeps the old record (now ``superseded``) and adds the next token's.
+Job names, manual keys and instance ids are compared byte for byte (binary
+columns on MySQL, whose default collations ignore case and trailing spaces).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import mysql as mysql_sql
+from sqlalchemy.dialects import postgresql as postgresql_sql
+from sqlalchemy.dialects import sqlite as sqlite_sql
+from sqlalchemy.engine import URL, Connection, Dialect, Engine
+from sqlalchemy.schema import CreateTable
+
+from ..exceptions import BackendUnavailable, ConfigurationError
+from . import sanitize_url
+from .base import Backend, Claim, ClaimRequest, InstanceInfo, RunRecord, State
+
+__all__ = ["SCHEMA_VERSION", "SQLBackend"]
+
+logger = logging.getLogger(__name__)
+
+#: Version of the table layout, kept in ``<prefix>meta``; a later layout
+#: migrates from it.
+SCHEMA_VERSION = 1
+
+#: Default history bounds for writes that carry none (``claim_manual``).
+DEFAULT_HISTORY_SIZE = 100
+
+#: URL driver names we accept -> the SQLAlchemy driver we use.
+DRIVERS = {
+    "sqlite": "sqlite",
+    "postgres": "postgresql+psycopg",
+    "postgresql": "postgresql+psycopg",
+    "postgresql+psycopg": "postgresql+psycopg",
+    "mysql": "mysql+pymysql",
+    "mysql+pymysql": "mysql+pymysql",
+    "mariadb": "mysql+pymysql",
+    "mariadb+pymysql": "mysql+pymysql",
+}
+
+#: Most characters of a job name, manual key or instance id stored as is;
+#: longer ones are stored as a prefix plus their SHA-256 (see :func:`key_of`).
+KEY_CHARS = 255
+
+#: Most candidate milliseconds a manual run tries before giving up.
+MANUAL_SLOT_TRIES = 100
+
+#: Most rows in one multi-row INSERT (well under SQLite's 32766 parameters).
+INSERT_CHUNK = 500
+
+#: ``CLIENT_FOUND_ROWS``, bit 2 of the MySQL client capability flags
+#: (https://dev.mysql.com/doc/dev/mysql-server/latest/group__group__cs__capabilities__flags.html).
+CLIENT_FOUND_ROWS = 2
+
+_PREFIX_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,39}\Z")
+
+# The database clock as integer epoch milliseconds, UTC. PostgreSQL's
+# clock_timestamp() is the real time (now() is frozen at transaction start);
+# extract(epoch ...) is exact numeric since PostgreSQL 14. MySQL's
+# UTC_TIMESTAMP(6) does not depend on the session time zone.
+_NOW_SQL = {
+    "postgresql": "(floor(extract(epoch FROM clock_timestamp()) * 1000))::bigint",
+    "mysql": "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)",
+}
+
+# State order for mark(): a state never moves back (a late 'sent' after the
+# worker's 'succeeded' keeps 'succeeded'); finished states share the top rank.
+_RANK = {State.CLAIMED: 0, State.SENT: 1, State.RUNNING: 2}
+_TOP_RANK = 3
+
+#: The timestamp column mark() sets for each state.
+_STAMP = {
+    State.SENT: "sent_at_ms",
+    State.RUNNING: "started_at_ms",
+    State.SUCCEEDED: "finished_at_ms",
+    State.FAILED: "finished_at_ms",
+    State.LOST: "finished_at_ms",
+}
+
+_DRIVER_ERRORS = (sa.exc.DBAPIError, sa.exc.TimeoutError, sa.exc.DisconnectionError)
+
+
+def key_of(text: str) -> str:
+    """The stored key for a job name, manual key or instance id.
+
+    ``text`` itself when it has at most :data:`KEY_CHARS` characters and no
+    NUL or lone surrogate (which PostgreSQL or UTF-8 cannot store); otherwise
+    its first 190 storable characters, ``~`` and its SHA-256 in hex: distinct
+    texts keep distinct keys, and every key fits a 255-character column.
+    """
+    if len(text) <= KEY_CHARS and _storable(text):
+        return text
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    head = "".join(c if _storable(c) else "?" for c in text[:190])
+    return f"{head}~{digest}"
+
+
+def _storable(text: str) -> bool:
+    if "\x00" in text:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _clean(text: str) -> str:
+    """``text`` as a value every database stores (no NUL, valid UTF-8)."""
+    if _storable(text):
+        return text
+    return text.replace("\x00", "\ufffd").encode("utf-8", "replace").decode("utf-8")
+
+
+def _process_now_ms() -> int:
+    """This process's clock, epoch milliseconds: SQLite's clock."""
+    return time.time_ns() // 1_000_000
+
+
+class _Key(sa.types.TypeDecorator[str]):
+    """A key column compared byte for byte: ``VARCHAR(255)`` on SQLite and
+    PostgreSQL, ``VARBINARY(1020)`` (UTF-8) on MySQL/MariaDB, whose default
+    collations would make ``Job`` equal ``job `` and merge two jobs' slots."""
+
+    impl = sa.String(KEY_CHARS)
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> sa.types.TypeEngine[Any]:
+        if _kind_of(dialect.name) == "mysql":
+            return dialect.type_descriptor(mysql_sql.VARBINARY(4 * KEY_CHARS))
+        return dialect.type_descriptor(sa.String(KEY_CHARS))
+
+    def process_bind_param(self, value: str | None, dialect: Dialect) -> Any:
+        if value is not None and _kind_of(dialect.name) == "mysql":
+            return value.encode("utf-8")
+        return value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> str | None:
+        if isinstance(value, bytes | bytearray):
+            return bytes(value).decode("utf-8")
+        return value
+
+
+def _kind_of(dialect_name: str) -> str:
+    """``sqlite``, ``postgresql`` or ``mysql`` (MariaDB included)."""
+    return "mysql" if dialect_name == "mariadb" else dialect_name
+
+
+@dataclass(frozen=True)
+class _Tables:
+    metadata: sa.MetaData
+    runs: sa.Table
+    manual: sa.Table
+    instances: sa.Table
+    meta: sa.Table
+
+
+def _ms(name: str, **kw: Any) -> sa.Column[int]:
+    return sa.Column(name, sa.BigInteger, autoincrement=False, **kw)
+
+
+def _tables(prefix: str) -> _Tables:
+    """The schema, every table named ``prefix + name``."""
+    md = sa.MetaData()
+    opts: dict[str, Any] = {"mysql_engine": "InnoDB", "mysql_charset": "utf8mb4"}
+    runs = sa.Table(
+        f"{prefix}runs",
+        md,
+        sa.Column("job", _Key(), primary_key=True),
+        _ms("slot_ms", primary_key=True),
+        _ms("token", primary_key=True),
+        sa.Column("state", sa.String(16), nullable=False),
+        sa.Column("owner", sa.Text),
+        _ms("lease_until_ms"),
+        _ms("keep_until_ms", nullable=False),
+        _ms("claimed_at_ms"),
+        _ms("sent_at_ms"),
+        _ms("started_at_ms"),
+        _ms("finished_at_ms"),
+        sa.Column("task_id", sa.Text),
+        sa.Column("error", sa.Text),
+        sa.Column("manual_key", sa.Text),
+        **opts,
+    )
+    manual = sa.Table(
+        f"{prefix}manual",
+        md,
+        sa.Column("job", _Key(), primary_key=True),
+        sa.Column("manual_key", _Key(), primary_key=True),
+        _ms("slot_ms", nullable=False),
+        _ms("keep_until_ms", nullable=False),
+        **opts,
+    )
+    instances = sa.Table(
+        f"{prefix}instances",
+        md,
+        sa.Column("instance", _Key(), primary_key=True),
+        sa.Column("info", sa.Text, nullable=False),
+        _ms("heartbeat_ms", nullable=False),
+        _ms("expires_ms", nullable=False),
+        **opts,
+    )
+    meta = sa.Table(
+        f"{prefix}meta",
+        md,
+        sa.Column("name", _Key(), primary_key=True),
+        sa.Column("value", sa.String(255), nullable=False),
+        **opts,
+    )
+    return _Tables(md, runs, manual, instances, meta)
+
+
+def _seconds(name: str, value: Any) -> float:
+    """A positive duration option in seconds (number, numeric string or
+    ``timedelta``)."""
+    try:
+        seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not 0 < seconds <= 3600:
+        raise ConfigurationError(
+            f"anarchon_backend_options[{name!r}]: expected seconds between 0 and 3600, "
+            f"got {value!r}; e.g. {{{name!r}: 5}}."
+        )
+    return seconds
+
+
+def _prefix(value: Any) -> str:
+    if not isinstance(value, str) or not _PREFIX_RE.match(value):
+        raise ConfigurationError(
+            f"anarchon_backend_options['prefix']: {value!r} is not a usable table-name "
+            "prefix; use letters, digits and '_' (at most 40, not starting with a digit), "
+            "e.g. 'anarchon_'."
+        )
+    return value
+
+
+def _in_window(request: ClaimRequest, now: int) -> bool:
+    """Whether ``request.slot_ms`` lies in ``[now - window_before_ms, now +
+    window_after_ms]`` (all epoch ms)."""
+    return now - request.window_before_ms <= request.slot_ms <= now + request.window_after_ms
+
+
+def _lost(job: str, slot_ms: int, reason: str) -> Claim:
+    return Claim(job, slot_ms, won=False, token=None, reason=reason)
+
+
+def _trim_every(history_size: int) -> int:
+    """Writes of a job between two trims of its history."""
+    return max(1, history_size // 10)
+
+
+class SQLBackend(Backend):
+    """Lease backend on SQLite, PostgreSQL or MySQL/MariaDB (SQLAlchemy Core).
+
+    Construct with a URL (``sqlite:///path``, ``postgresql://`` or
+    ``postgres://`` (psycopg 3), ``postgresql+psycopg://``, ``mysql://``,
+    ``mysql+pymysql://``, ``mariadb://``: MySQL and MariaDB go through
+    PyMySQL) or with ``client=`` an SQLAlchemy :class:`~sqlalchemy.engine.Engine`
+    the user owns (then :meth:`close` never disposes it). Nothing connects
+    before :meth:`open`, which creates the tables (see the module docstring)
+    if missing; several processes may do so at once.
+
+    Guarantees, and the statement that gives each:
+
+    * **One winner per slot.** A claim is one conditional insert of the slot's
+      first record (token 1) on the key ``(job, slot_ms, token)``: SQLite and
+      PostgreSQL ``INSERT .. ON CONFLICT DO NOTHING`` (PostgreSQL with
+      ``RETURNING``, one statement for a batch); MySQL/MariaDB ``INSERT ..
+      ON DUPLICATE KEY UPDATE job = job`` per slot, won when it affected one
+      row. A no-op update affects 0 rows only without ``CLIENT_FOUND_ROWS``,
+      which SQLAlchemy always sets: engines made here strip it, and
+      :meth:`open` refuses a user's MySQL Engine that has it (strip it in a
+      ``do_connect`` listener: ``cparams["client_flag"] &= ~2``). A batch is
+      one transaction, inserted in key order so concurrent batches never
+      deadlock.
+    * **Claim window by the database clock**: PostgreSQL ``clock_timestamp()``,
+      MySQL ``UTC_TIMESTAMP(6)``; SQLite has no server, so this process's
+      clock (SQLite serves one host). A slot outside ``[now -
+      window_before_ms, now + window_after_ms]`` is lost with ``"window"``.
+    * **Fencing**: :meth:`mark` is ``UPDATE .. WHERE job, slot_ms, token =
+      :token AND state <> 'superseded'``; a state never moves back.
+    * **Takeover** (:meth:`take_over`): in one transaction, ``UPDATE .. SET
+      state = 'superseded' WHERE token = :old AND state = 'claimed' AND
+      lease_until_ms < now`` and, when that changed one row, insert token
+      ``old + 1``.
+    * **run_now once per key**: a conditional insert into ``<prefix>manual``
+      on ``(job, manual_key)`` in the transaction that writes the run.
+    * **Records outlive every late claimer**: trimming deletes only records
+      whose ``keep_until_ms`` has passed (by the database clock).
+    * **Short waits**: ``connect_timeout`` bounds connecting (PostgreSQL:
+      at least 2 s, libpq's minimum) and ``statement_timeout`` each statement
+      (PostgreSQL ``statement_timeout``; MySQL client read/write timeouts and
+      ``innodb_lock_wait_timeout``; SQLite busy timeout). Pooled connections
+      are pinged before use, so the backend recovers when the database
+      comes back. Every driver error is raised as
+      :class:`~celery_anarchon.exceptions.BackendUnavailable`.
+
+    SQLite runs in WAL mode and starts write transactions with ``BEGIN
+    IMMEDIATE`` (engines made here), so processes on one host share a file.
+    In-memory SQLite is refused: it cannot be shared between processes.
+
+    History is trimmed per job after writes, amortised: on a job's first
+    write in this process and then every ``max(1, history_size // 10)`` of
+    its writes, one ``DELETE`` removes its records older than
+    ``history_ttl_ms`` (by slot) or beyond the newest ``history_size``,
+    except those whose ``keep_until_ms`` is ahead; so between trims a job may
+    hold up to ``history_size // 10`` records more. A trim that fails is
+    logged and retried at a later write: it never fails the claim.
+
+    Options (``anarchon_backend_options`` or URL query parameters):
+
+    * ``prefix``: table name prefix, default ``anarchon_``;
+    * ``connect_timeout``: seconds, default 5;
+    * ``statement_timeout``: seconds, default 5.
+    """
+
+    supports_leases: ClassVar[bool] = True
+    options: ClassVar[frozenset[str]] = frozenset(
+        {"prefix", "connect_timeout", "statement_timeout"}
+    )
+
+    def __init__(
+        self,
+        url: str | None,
+        *,
+        client: Any = None,
+        instance: str,
+        prefix: str = "anarchon_",
+        connect_timeout: float | str | timedelta = 5.0,
+        statement_timeout: float | str | timedelta = 5.0,
+    ) -> None:
+        """Prepare the backend; nothing connects (see :meth:`open`).
+
+        Raises:
+            ConfigurationError: no URL nor Engine, a client that is not an
+                Engine, an in-memory SQLite URL, an unsupported dialect, or
+                a bad option value.
+        """
+        self.instance = instance
+        self.prefix = _prefix(prefix)
+        self.connect_timeout = _seconds("connect_timeout", connect_timeout)
+        self.statement_timeout = _seconds("statement_timeout", statement_timeout)
+        self._tables = _tables(self.prefix)
+        self._owns_engine = client is None
+        self._engine: Engine | None = None
+        self._ready = False
+        self._writes: dict[str, int] = {}
+        if client is not None:
+            if not isinstance(client, Engine):
+                raise ConfigurationError(
+                    f"anarchon_backend: SQLBackend needs an SQLAlchemy Engine as its client, "
+                    f"not a {type(client).__name__}; pass create_engine(url) or the URL."
+                )
+            self._engine = client
+            self._url = client.url
+        elif url is None:
+            raise ConfigurationError("anarchon_backend: give an SQL URL or an SQLAlchemy Engine.")
+        else:
+            self._url = _parse_url(url)
+        self.kind = _kind_of(self._url.get_backend_name())
+        if self.kind not in ("sqlite", "postgresql", "mysql"):
+            raise ConfigurationError(
+                f"anarchon_backend: {self._url.get_backend_name()!r} databases are not "
+                "supported; use SQLite, PostgreSQL or MySQL/MariaDB."
+            )
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def open(self) -> None:
+        """Connect, create the tables if missing and check the schema version.
+
+        Idempotent, and safe to run from several processes at once: each
+        table is created with ``CREATE TABLE IF NOT EXISTS``, and a creation
+        that fails because another process just created the table is fine.
+
+        Raises:
+            BackendUnavailable: the database cannot be reached or fails.
+            ConfigurationError: the SQLite file's directory does not exist; a
+                user's MySQL Engine reports found rather than changed rows
+                (``CLIENT_FOUND_ROWS``); the tables were made by a newer
+                celery-anarchon (schema version above :data:`SCHEMA_VERSION`).
+        """
+        if self._ready:
+            return
+        if self._engine is None:
+            self._check_sqlite_dir()
+            self._engine = self._create_engine()
+        with self._unavailable("open"):
+            self._check_found_rows(self._engine)
+            self._create_tables(self._engine)
+            version = self._schema_version(self._engine)
+        if version > SCHEMA_VERSION:
+            raise ConfigurationError(
+                f"anarchon_backend: the tables {self.prefix}* in {self.describe()} have "
+                f"schema version {version}, made by a newer celery-anarchon (this one "
+                f"knows {SCHEMA_VERSION}); upgrade celery-anarchon, or set "
+                "anarchon_backend_options['prefix'] to use other tables."
+            )
+        self._ready = True
+        logger.info("anarchon: SQL backend ready: %s", self.describe())
+
+    def close(self) -> None:
+        """Dispose of the engine this backend made; a user's Engine is left
+        untouched. Safe to call twice; a later call reopens."""
+        engine, self._ready = self._engine, False
+        if self._owns_engine and engine is not None:
+            self._engine = None
+            engine.dispose()
+
+    def describe(self) -> str:
+        """``SQL (<kind>) <URL>`` with the password masked."""
+        if self._owns_engine:
+            shown = sanitize_url(self._url.render_as_string(hide_password=False))
+        else:
+            shown = self._url.render_as_string(hide_password=True)
+        return f"SQL ({self.kind}) {shown}"
+
+    # -- clock ---------------------------------------------------------------
+
+    def now_ms(self) -> int:
+        """The database clock, epoch milliseconds (UTC): PostgreSQL
+        ``clock_timestamp()``, MySQL ``UTC_TIMESTAMP(6)``, SQLite this
+        process's clock.
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        if self.kind == "sqlite":
+            return _process_now_ms()
+        with self._read("read the clock") as conn:
+            return self._now(conn)
+
+    # -- claims --------------------------------------------------------------
+
+    def claim(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
+        """Claim slots in one transaction (see the class docstring for the
+        statements), exactly one winner per ``(job, slot_ms)``.
+
+        Returns:
+            one :class:`Claim` per request, in request order: won with token
+            1 (record ``claimed``, owner this instance, ``lease_until_ms =
+            now + lease_ms``, ``keep_until_ms`` from the request); lost with
+            ``"window"`` when outside the claim window by the database clock,
+            ``"taken"`` when the slot has a record (or appears twice in the
+            batch: the first wins).
+        Raises:
+            BackendUnavailable: no answer; treat every request as lost.
+        """
+        if not requests:
+            return []
+        with self._write("claim") as conn:
+            now = self._now(conn)
+            answers = self._claim_all(conn, requests, now)
+        won = [r for r, a in zip(requests, answers, strict=True) if a.won]
+        logger.debug("anarchon: claimed %d of %d slot(s)", len(won), len(requests))
+        self._after_writes((key_of(r.job), r.history_size, r.history_ttl_ms) for r in won)
+        return answers
+
+    def _claim_all(
+        self, conn: Connection, requests: Sequence[ClaimRequest], now: int
+    ) -> list[Claim]:
+        answers: dict[int, Claim] = {}
+        rows: dict[tuple[str, int], tuple[int, dict[str, Any]]] = {}
+        for i, req in enumerate(requests):
+            slot = (key_of(req.job), req.slot_ms)
+            if not _in_window(req, now):
+                answers[i] = _lost(req.job, req.slot_ms, "window")
+            elif slot in rows:
+                answers[i] = _lost(req.job, req.slot_ms, "taken")
+            else:
+                rows[slot] = (i, self._claim_row(req, now, token=1))
+        ordered = [rows[slot] for slot in sorted(rows)]
+        won = self._insert_claims(conn, [row for _, row in ordered])
+        for i, row in ordered:
+            req = requests[i]
+            if (row["job"], row["slot_ms"]) in won:
+                answers[i] = Claim(req.job, req.slot_ms, won=True, token=1)
+            else:
+                answers[i] = _lost(req.job, req.slot_ms, "taken")
+        return [answers[i] for i in range(len(requests))]
+
+    def _claim_row(self, req: ClaimRequest, now: int, token: int) -> dict[str, Any]:
+        return {
+            "job": key_of(req.job),
+            "slot_ms": req.slot_ms,
+            "token": token,
+            "state": State.CLAIMED.value,
+            "owner": self.instance,
+            "lease_until_ms": now + req.lease_ms,
+            "keep_until_ms": req.keep_until_ms,
+            "claimed_at_ms": now,
+        }
+
+    def _insert_claims(self, conn: Connection, rows: list[dict[str, Any]]) -> set[tuple[str, int]]:
+        """Insert first records that are absent; the ``(job key, slot_ms)``
+        of those inserted."""
+        runs = self._tables.runs
+        if self.kind == "mysql":
+            return {(r["job"], r["slot_ms"]) for r in rows if self._insert_if_absent(conn, runs, r)}
+        won: set[tuple[str, int]] = set()
+        for start in range(0, len(rows), INSERT_CHUNK):
+            chunk = rows[start : start + INSERT_CHUNK]
+            stmt = self._insert_ignoring_conflicts(runs, chunk).returning(
+                runs.c.job, runs.c.slot_ms
+            )
+            won.update((job, slot) for job, slot in conn.execute(stmt))
+        return won
+
+    def take_over(self, request: ClaimRequest) -> Claim:
+        """Take over a slot whose winner's lease ran out (backup runner).
+
+        One transaction: read the slot's current record (``FOR UPDATE``);
+        when it is a scheduled run still ``claimed`` with ``lease_until_ms``
+        before the database's now, ``UPDATE`` it to ``superseded`` fenced by
+        its token, state and lease, and insert token ``old + 1`` owned by this
+        instance (``keep_until_ms`` the later of the two). A slot with no
+        record is claimed as by :meth:`claim`.
+
+        Returns:
+            won with token ``old + 1`` (or 1); lost with ``"window"`` outside
+            the claim window, ``"taken"`` otherwise (sent, lease running,
+            manual run, or another instance took it over first).
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        with self._write("take over") as conn:
+            answer, keep_until_ms = self._take_over(conn, request)
+        if answer.won:
+            self._after_writes(
+                [(key_of(request.job), request.history_size, request.history_ttl_ms)]
+            )
+        return answer
+
+    def _take_over(self, conn: Connection, request: ClaimRequest) -> tuple[Claim, int]:
+        runs = self._tables.runs
+        job = key_of(request.job)
+        now = self._now(conn)
+        if not _in_window(request, now):
+            return _lost(request.job, request.slot_ms, "window"), 0
+        current = self._current_record(conn, job, request.slot_ms)
+        if current is None:
+            won = self._insert_if_absent(conn, runs, self._claim_row(request, now, token=1))
+            return self._answer(request, won, token=1), request.keep_until_ms
+        keep_until_ms = max(request.keep_until_ms, int(current.keep_until_ms))
+        expired = (
+            current.state == State.CLAIMED.value
+            and current.manual_key is None
+            and (current.lease_until_ms or 0) < now
+        )
+        if not expired or not self._supersede(conn, current, now, keep_until_ms):
+            return _lost(request.job, request.slot_ms, "taken"), 0
+        row = self._claim_row(request, now, token=int(current.token) + 1)
+        row["keep_until_ms"] = keep_until_ms
+        conn.execute(sa.insert(runs).values(row))
+        return self._answer(request, True, token=row["token"]), keep_until_ms
+
+    def _current_record(self, conn: Connection, job: str, slot_ms: int) -> Any:
+        runs = self._tables.runs
+        query = (
+            sa.select(runs)
+            .where(runs.c.job == job, runs.c.slot_ms == slot_ms)
+            .order_by(runs.c.token.desc())
+            .limit(1)
+            .with_for_update()
+        )
+        return conn.execute(query).first()
+
+    def _supersede(self, conn: Connection, current: Any, now: int, keep_until_ms: int) -> bool:
+        """Mark ``current`` superseded, fenced by its token, state and lease;
+        whether it changed (one row)."""
+        runs = self._tables.runs
+        fenced = (
+            sa.update(runs)
+            .where(
+                runs.c.job == current.job,
+                runs.c.slot_ms == current.slot_ms,
+                runs.c.token == current.token,
+                runs.c.state == State.CLAIMED.value,
+                runs.c.lease_until_ms < now,
+            )
+            .values(state=State.SUPERSEDED.value, keep_until_ms=keep_until_ms)
+        )
+        return conn.execute(fenced).rowcount == 1
+
+    @staticmethod
+    def _answer(request: ClaimRequest, won: bool, token: int) -> Claim:
+        if won:
+            return Claim(request.job, request.slot_ms, won=True, token=token)
+        return _lost(request.job, request.slot_ms, "taken")
+
+    def release(self, claims: Sequence[Claim]) -> None:
+        """Give back won claims that were not sent, in one transaction.
+
+        A first record (token 1) still ``claimed`` with the claim's token is
+        deleted, so any instance can claim the slot at once. A record that
+        came from a takeover (token above 1) cannot be deleted without
+        reopening its superseded predecessor's key, so its lease is ended
+        instead (``lease_until_ms = 0``): :meth:`take_over` then wins it at
+        once. Records already sent, or with another token, are left alone.
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        mine = [c for c in claims if c.won and isinstance(c.token, int)]
+        if not mine:
+            return
+        runs = self._tables.runs
+        with self._write("release") as conn:
+            for claim in mine:
+                fenced = (
+                    runs.c.job == key_of(claim.job),
+                    runs.c.slot_ms == claim.slot_ms,
+                    runs.c.token == claim.token,
+                    runs.c.state == State.CLAIMED.value,
+                )
+                if claim.token == 1:
+                    conn.execute(sa.delete(runs).where(*fenced))
+                else:
+                    conn.execute(sa.update(runs).where(*fenced).values(lease_until_ms=0))
+        logger.debug("anarchon: released %d claim(s)", len(mine))
+
+    # -- states --------------------------------------------------------------
+
+    def mark(
+        self,
+        claim: Claim,
+        state: State,
+        *,
+        task_id: str | None = None,
+        error: str | None = None,
+    ) -> bool:
+        """Move a won claim's record to ``state`` with one fenced ``UPDATE ..
+        WHERE job, slot_ms, token = claim.token AND state <> 'superseded'``.
+
+        The state's timestamp (``sent_at_ms``, ``started_at_ms`` or
+        ``finished_at_ms``) becomes the database's now. A state never moves
+        back (``claimed`` < ``sent`` < ``running`` < finished): a late
+        ``sent`` after the worker's ``succeeded`` sets ``sent_at_ms`` and
+        keeps ``succeeded``. ``task_id`` / ``error`` are written when given.
+
+        Returns:
+            False when no current record carries ``claim.token`` (taken over,
+            released, trimmed, or the claim was lost).
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        if not claim.won or not isinstance(claim.token, int):
+            return False
+        state = State(state)
+        runs = self._tables.runs
+        not_higher = [
+            s.value for s in State if _RANK.get(s, _TOP_RANK) <= _RANK.get(state, _TOP_RANK)
+        ]
+        values: dict[str, Any] = {
+            "state": sa.case((runs.c.state.in_(not_higher), state.value), else_=runs.c.state)
+        }
+        if state in _STAMP:
+            values[_STAMP[state]] = self._now_expr()
+        if task_id is not None:
+            values["task_id"] = _clean(task_id)
+        if error is not None:
+            values["error"] = _clean(error)
+        fenced = (
+            runs.c.job == key_of(claim.job),
+            runs.c.slot_ms == claim.slot_ms,
+            runs.c.token == claim.token,
+            runs.c.state != State.SUPERSEDED.value,
+        )
+        with self._write("mark") as conn:
+            changed = conn.execute(sa.update(runs).where(*fenced).values(values)).rowcount
+            if changed == 0 and self.kind == "mysql":
+                # MySQL counts changed rows: an update to identical values is 0.
+                changed = len(conn.execute(sa.select(runs.c.token).where(*fenced)).all())
+        return changed == 1
+
+    def record_if_absent(
+        self,
+        job: str,
+        slot_ms: int,
+        state: State,
+        *,
+        error: str | None = None,
+        history_size: int = DEFAULT_HISTORY_SIZE,
+        history_ttl_ms: int = 7 * 24 * 3600 * 1000,
+        keep_until_ms: int = 0,
+    ) -> bool:
+        """Record ``state`` (``missed`` or ``skipped``) as the slot's first
+        record with the claim's conditional insert, closing the slot.
+
+        Returns:
+            True when written; False when the slot already had a record.
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        row = {
+            "job": key_of(job),
+            "slot_ms": slot_ms,
+            "token": 1,
+            "state": State(state).value,
+            "owner": self.instance,
+            "keep_until_ms": keep_until_ms,
+            "error": None if error is None else _clean(error),
+        }
+        with self._write("record") as conn:
+            written = self._insert_if_absent(conn, self._tables.runs, row)
+        if written:
+            self._after_writes([(key_of(job), history_size, history_ttl_ms)])
+        return written
+
+    # -- run_now -------------------------------------------------------------
+
+    def claim_manual(self, job: str, key: str, keep_until_ms: int) -> Claim:
+        """Claim a manual run (``run_now``) of ``job`` under ``key``.
+
+        One transaction: insert the run record (state ``claimed``, token 1,
+        ``manual_key = key``, lease until ``keep_until_ms``) at the first free
+        millisecond from the database's now, skipping whole seconds, where
+        nearly every scheduled slot falls (cron, whole-second intervals), so
+        a manual run practically never takes a scheduled slot; then the
+        conditional insert of ``(job, key)`` into ``<prefix>manual``. When
+        that key exists the transaction is rolled back and the call lost.
+        The key is kept while its run record is, and at least until
+        ``keep_until_ms``.
+
+        Returns:
+            won with the run's ``slot_ms`` and token 1; or lost (``"taken"``)
+            with the slot of the run that used the key.
+        Raises:
+            BackendUnavailable: no answer (or no free millisecond in
+                :data:`MANUAL_SLOT_TRIES`).
+        """
+        engine = self._ensure_open()
+        with self._unavailable("claim a manual run"), engine.connect() as conn:
+            tx = conn.begin()
+            now = self._now(conn)
+            slot = self._insert_manual_run(conn, job, key, now, keep_until_ms)
+            guard = {
+                "job": key_of(job),
+                "manual_key": key_of(key),
+                "slot_ms": slot,
+                "keep_until_ms": keep_until_ms,
+            }
+            if self._insert_if_absent(conn, self._tables.manual, guard):
+                tx.commit()
+                logger.debug("anarchon: manual run of %r under key %r claimed", job, key)
+                return Claim(job, slot, won=True, token=1)
+            tx.rollback()
+            return _lost(job, self._manual_slot(conn, job, key, slot), "taken")
+
+    def _insert_manual_run(
+        self, conn: Connection, job: str, key: str, now: int, keep_until_ms: int
+    ) -> int:
+        row: dict[str, Any] = {
+            "job": key_of(job),
+            "token": 1,
+            "state": State.CLAIMED.value,
+            "owner": self.instance,
+            "lease_until_ms": keep_until_ms,
+            "keep_until_ms": keep_until_ms,
+            "claimed_at_ms": now,
+            "manual_key": _clean(key),
+        }
+        slot = now
+        for _ in range(MANUAL_SLOT_TRIES):
+            if slot % 1000 == 0:
+                slot += 1
+            if self._insert_if_absent(conn, self._tables.runs, {**row, "slot_ms": slot}):
+                return slot
+            slot += 1
+        raise BackendUnavailable(
+            f"{self.describe()}: no free millisecond for a manual run of {job!r} "
+            f"within {MANUAL_SLOT_TRIES} ms of now"
+        )
+
+    def _manual_slot(self, conn: Connection, job: str, key: str, default: int) -> int:
+        manual = self._tables.manual
+        query = sa.select(manual.c.slot_ms).where(
+            manual.c.job == key_of(job), manual.c.manual_key == key_of(key)
+        )
+        found = conn.execute(query).scalar()
+        return default if found is None else int(found)
+
+    # -- history -------------------------------------------------------------
+
+    def history(self, job: str, limit: int | None = None) -> list[RunRecord]:
+        """The job's records, newest slot first (for one slot, the current
+        record before superseded ones), at most ``limit``: ``SELECT .. WHERE
+        job = :job ORDER BY slot_ms DESC, token DESC LIMIT :limit``.
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        if limit is not None and limit <= 0:
+            return []
+        runs = self._tables.runs
+        query = (
+            sa.select(runs)
+            .where(runs.c.job == key_of(job))
+            .order_by(runs.c.slot_ms.desc(), runs.c.token.desc())
+            .limit(limit)
+        )
+        with self._read("read history") as conn:
+            return [_record(job, row) for row in conn.execute(query)]
+
+    # -- instance registry ---------------------------------------------------
+
+    def register(self, info: InstanceInfo, ttl_ms: int) -> None:
+        """Add or refresh ``info`` (an upsert); its ``heartbeat_ms`` becomes
+        the database's now and it drops out ``ttl_ms`` milliseconds later
+        unless refreshed. Instances already expired are deleted.
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        table = self._tables.instances
+        with self._write("register") as conn:
+            now = self._now(conn)
+            row = {
+                "instance": key_of(info.instance),
+                "info": json.dumps(asdict(info)),
+                "heartbeat_ms": now,
+                "expires_ms": now + ttl_ms,
+            }
+            conn.execute(self._upsert(table, row))
+            conn.execute(sa.delete(table).where(table.c.expires_ms <= now))
+
+    def unregister(self, instance: str) -> None:
+        """Remove ``instance`` from the registry.
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        table = self._tables.instances
+        with self._write("unregister") as conn:
+            conn.execute(sa.delete(table).where(table.c.instance == key_of(instance)))
+
+    def instances(self) -> list[InstanceInfo]:
+        """Instances whose registration has not expired by the database's
+        clock, oldest start first.
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        table = self._tables.instances
+        with self._read("read instances") as conn:
+            now = self._now(conn)
+            rows = conn.execute(
+                sa.select(table.c.info, table.c.heartbeat_ms).where(table.c.expires_ms > now)
+            ).all()
+        found = [InstanceInfo(**{**json.loads(info), "heartbeat_ms": beat}) for info, beat in rows]
+        return sorted(found, key=lambda i: (i.started_ms, i.instance))
+
+    # -- trimming ------------------------------------------------------------
+
+    def _after_writes(self, writes: Iterable[tuple[str, int, int]]) -> None:
+        """Count writes per job key and trim the histories now due (see the
+        class docstring); ``writes`` holds ``(job key, history_size,
+        history_ttl_ms)``. A failed trim is logged, never raised."""
+        due: dict[str, tuple[int, int]] = {}
+        for job, size, ttl_ms in writes:
+            count = self._writes.get(job, 0)
+            self._writes[job] = count + 1
+            if count % _trim_every(size) == 0:
+                due[job] = (size, ttl_ms)
+        if not due:
+            return
+        try:
+            with self._write("trim history") as conn:
+                now = self._now(conn)
+                for job, (size, ttl_ms) in sorted(due.items()):
+                    self._trim(conn, job, size, ttl_ms, now)
+        except BackendUnavailable as exc:
+            logger.warning("anarchon: history trim failed, retried at a later write: %s", exc)
+
+    def _trim(self, conn: Connection, job: str, size: int, ttl_ms: int, now: int) -> None:
+        """Delete ``job``'s records with a slot before ``now - ttl_ms`` or
+        beyond the newest ``size``, unless ``keep_until_ms`` is after ``now``;
+        then the manual keys whose run is gone and whose keep-until passed."""
+        runs, manual = self._tables.runs, self._tables.manual
+        cut = conn.execute(
+            sa.select(runs.c.slot_ms)
+            .where(runs.c.job == job)
+            .order_by(runs.c.slot_ms.desc(), runs.c.token.desc())
+            .offset(max(size, 0))
+            .limit(1)
+        ).scalar()
+        old = runs.c.slot_ms < now - ttl_ms
+        if cut is not None:
+            old = sa.or_(old, runs.c.slot_ms <= cut)
+        conn.execute(sa.delete(runs).where(runs.c.job == job, runs.c.keep_until_ms <= now, old))
+        has_run = (
+            sa.select(runs.c.token)
+            .where(runs.c.job == manual.c.job, runs.c.slot_ms == manual.c.slot_ms)
+            .exists()
+        )
+        conn.execute(
+            sa.delete(manual).where(
+                manual.c.job == job, manual.c.keep_until_ms <= now, sa.not_(has_run)
+            )
+        )
+
+    # -- SQL helpers ---------------------------------------------------------
+
+    def _insert_ignoring_conflicts(self, table: sa.Table, rows: list[dict[str, Any]]) -> Any:
+        """``INSERT .. ON CONFLICT DO NOTHING`` (SQLite, PostgreSQL)."""
+        if self.kind == "postgresql":
+            return postgresql_sql.insert(table).values(rows).on_conflict_do_nothing()
+        return sqlite_sql.insert(table).values(rows).on_conflict_do_nothing()
+
+    def _insert_if_absent(self, conn: Connection, table: sa.Table, row: dict[str, Any]) -> bool:
+        """Insert ``row`` unless its primary key exists; whether it was
+        inserted. MySQL: ``ON DUPLICATE KEY UPDATE <first key> = <itself>``,
+        which affects 1 row when inserted and 0 on a duplicate (with
+        ``CLIENT_FOUND_ROWS`` off, see :meth:`_check_found_rows`)."""
+        if self.kind == "mysql":
+            first = next(iter(table.primary_key.columns))
+            stmt: Any = (
+                mysql_sql.insert(table).values(row).on_duplicate_key_update({first.name: first})
+            )
+        else:
+            stmt = self._insert_ignoring_conflicts(table, [row])
+        result = conn.execute(stmt, execution_options={"preserve_rowcount": True})
+        return bool(result.rowcount == 1)
+
+    def _upsert(self, table: sa.Table, row: dict[str, Any]) -> Any:
+        keys = {c.name for c in table.primary_key.columns}
+        if self.kind == "mysql":
+            stmt = mysql_sql.insert(table).values(row)
+            return stmt.on_duplicate_key_update({k: stmt.inserted[k] for k in row if k not in keys})
+        pg = postgresql_sql.insert(table) if self.kind == "postgresql" else sqlite_sql.insert(table)
+        stmt2 = pg.values(row)
+        return stmt2.on_conflict_do_update(
+            index_elements=sorted(keys),
+            set_={k: stmt2.excluded[k] for k in row if k not in keys},
+        )
+
+    def _now(self, conn: Connection) -> int:
+        """The database clock, epoch ms, read on ``conn``."""
+        if self.kind == "sqlite":
+            return _process_now_ms()
+        return int(conn.execute(sa.text(f"SELECT {_NOW_SQL[self.kind]}")).scalar_one())
+
+    def _now_expr(self) -> Any:
+        """The database clock as an SQL expression (epoch ms)."""
+        if self.kind == "sqlite":
+            return _process_now_ms()
+        return sa.literal_column(_NOW_SQL[self.kind], sa.BigInteger)
+
+    # -- connections and errors ----------------------------------------------
+
+    def _ensure_open(self) -> Engine:
+        if not self._ready:
+            self.open()
+        assert self._engine is not None
+        return self._engine
+
+    @contextmanager
+    def _unavailable(self, what: str) -> Iterator[None]:
+        """Raise driver and pool errors as BackendUnavailable."""
+        try:
+            yield
+        except _DRIVER_ERRORS as exc:
+            raise BackendUnavailable(f"{self.describe()}: {what} failed: {_reason(exc)}") from exc
+
+    @contextmanager
+    def _write(self, what: str) -> Iterator[Connection]:
+        """A connection in a write transaction, committed on success."""
+        engine = self._ensure_open()
+        with self._unavailable(what), engine.begin() as conn:
+            yield conn
+
+    @contextmanager
+    def _read(self, what: str) -> Iterator[Connection]:
+        """A connection for reads (SQLite: a deferred transaction)."""
+        engine = self._ensure_open()
+        with self._unavailable(what), engine.connect() as conn:
+            yield conn.execution_options(anarchon_read=True)
+
+    def _check_sqlite_dir(self) -> None:
+        if self.kind != "sqlite":
+            return
+        folder = os.path.dirname(os.path.abspath(self._url.database or ""))
+        if not os.path.isdir(folder):
+            raise ConfigurationError(
+                f"anarchon_backend: the directory of the SQLite file {self._url.database!r} "
+                f"does not exist; create {folder!r} or point anarchon_backend elsewhere."
+            )
+
+    def _create_engine(self) -> Engine:
+        """An engine of our own: short timeouts, pre-ping, per-dialect setup."""
+        common: dict[str, Any] = {"pool_timeout": self.connect_timeout}
+        if self.kind == "sqlite":
+            engine = sa.create_engine(
+                self._url, connect_args={"timeout": self.statement_timeout}, **common
+            )
+            sa.event.listen(engine, "connect", _sqlite_on_connect)
+            sa.event.listen(engine, "begin", _sqlite_on_begin)
+            return engine
+        if self.kind == "postgresql":
+            return sa.create_engine(
+                self._url, pool_pre_ping=True, connect_args=self._postgres_args(), **common
+            )
+        engine = sa.create_engine(
+            self._url,
+            pool_pre_ping=True,
+            isolation_level="READ COMMITTED",
+            connect_args=self._mysql_args(),
+            **common,
+        )
+        sa.event.listen(engine, "do_connect", _without_found_rows)
+        return engine
+
+    def _postgres_args(self) -> dict[str, Any]:
+        timeout_ms = int(self.statement_timeout * 1000)
+        options = str(self._url.query.get("options", ""))
+        return {
+            "connect_timeout": max(2, math.ceil(self.connect_timeout)),
+            "options": f"{options} -c statement_timeout={timeout_ms}".strip(),
+            "tcp_user_timeout": timeout_ms,
+            "application_name": str(self._url.query.get("application_name", "celery-anarchon")),
+        }
+
+    def _mysql_args(self) -> dict[str, Any]:
+        lock_wait = max(1, math.floor(self.statement_timeout))
+        return {
+            "connect_timeout": self.connect_timeout,
+            "read_timeout": self.statement_timeout,
+            "write_timeout": self.statement_timeout,
+            "charset": str(self._url.query.get("charset", "utf8mb4")),
+            "init_command": f"SET SESSION innodb_lock_wait_timeout = {lock_wait}",
+        }
+
+    def _check_found_rows(self, engine: Engine) -> None:
+        """Refuse a MySQL connection that counts found rather than changed
+        rows: a lost claim's no-op update would then read as won."""
+        if self.kind != "mysql":
+            return
+        with engine.connect() as conn:
+            flags = getattr(conn.connection.dbapi_connection, "client_flag", 0)
+        if flags & CLIENT_FOUND_ROWS:
+            raise ConfigurationError(
+                "anarchon_backend: the MySQL Engine given reports found rows "
+                "(CLIENT_FOUND_ROWS, set by SQLAlchemy), which makes a lost claim look won. "
+                "Pass the database URL instead, or strip the flag in a 'do_connect' event "
+                "listener: cparams['client_flag'] &= ~2."
+            )
+
+    def _create_tables(self, engine: Engine) -> None:
+        for table in self._tables.metadata.sorted_tables:
+            try:
+                with engine.begin() as conn:
+                    conn.execute(CreateTable(table, if_not_exists=True))
+            except (sa.exc.IntegrityError, sa.exc.ProgrammingError):
+                # PostgreSQL: another process created it during our CREATE.
+                with engine.connect() as conn:
+                    if not sa.inspect(conn).has_table(table.name):
+                        raise
+                logger.debug("anarchon: table %s was created concurrently", table.name)
+
+    def _schema_version(self, engine: Engine) -> int:
+        meta = self._tables.meta
+        row = {"name": "schema_version", "value": str(SCHEMA_VERSION)}
+        with engine.begin() as conn:
+            if self._insert_if_absent(conn, meta, row):
+                logger.info("anarchon: created tables %s* in %s", self.prefix, self.describe())
+            query = sa.select(meta.c.value).where(meta.c.name == "schema_version")
+            return int(conn.execute(query).scalar_one())
+
+
+def _parse_url(url: str) -> URL:
+    """Parse ``url`` and map its driver name (see :data:`DRIVERS`).
+
+    Raises:
+        ConfigurationError: unparsable, unknown driver, or in-memory SQLite.
+    """
+    try:
+        parsed = sa.engine.make_url(_repair_sqlite_url(url))
+    except sa.exc.ArgumentError as exc:
+        raise ConfigurationError(
+            f"anarchon_backend: cannot parse {sanitize_url(url)!r} as an SQL URL: {exc}"
+        ) from exc
+    driver = DRIVERS.get(parsed.drivername.lower())
+    if driver is None:
+        raise ConfigurationError(
+            f"anarchon_backend: unsupported SQL URL scheme {parsed.drivername!r}; use "
+            f"one of {', '.join(sorted(DRIVERS))}."
+        )
+    parsed = parsed.set(drivername=driver)
+    if driver == "sqlite" and _in_memory(parsed):
+        raise ConfigurationError(
+            f"anarchon_backend: {sanitize_url(url)!r} is an in-memory SQLite database, "
+            "which other processes cannot see, so it cannot deduplicate claims; use a "
+            "file, e.g. 'sqlite:////var/lib/celery/anarchon.db'."
+        )
+    return parsed
+
+
+def _repair_sqlite_url(url: str) -> str:
+    """Undo what ``urlsplit``/``urlunsplit`` do to a SQLite URL, which has
+    an empty host: ``backends.split_options`` hands over ``sqlite:////a/b``
+    as ``sqlite://a/b`` and ``sqlite:///a`` as ``sqlite:/a``.
+
+    A URL with ``sqlite:`` not followed by ``//`` cannot be parsed, and a
+    host in a SQLite URL means nothing (SQLAlchemy ignores it), so neither
+    repair can change the meaning of a URL that arrived intact.
+    """
+    scheme, sep, rest = url.partition(":")
+    if scheme.lower() != "sqlite" or not sep:
+        return url
+    if not rest.startswith("//"):
+        return f"{scheme}://{rest}"
+    if rest != "//" and not rest.startswith("///"):
+        return f"{scheme}:////{rest[2:]}"
+    return url
+
+
+def _in_memory(url: URL) -> bool:
+    database = url.database or ""
+    return database in ("", ":memory:") or url.query.get("mode") == "memory"
+
+
+def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
+    """Let SQLAlchemy's ``begin`` event issue BEGIN, and turn on WAL so
+    readers never block the writer."""
+    dbapi_connection.isolation_level = None
+    dbapi_connection.execute("PRAGMA journal_mode=WAL").close()
+
+
+def _sqlite_on_begin(conn: Connection) -> None:
+    """``BEGIN IMMEDIATE`` for writes: the write lock is taken (waiting up to
+    the busy timeout) before the first read, so a transaction never fails
+    upgrading a stale snapshot; plain ``BEGIN`` for reads."""
+    read = conn.get_execution_options().get("anarchon_read", False)
+    conn.exec_driver_sql("BEGIN" if read else "BEGIN IMMEDIATE")
+
+
+def _without_found_rows(_dialect: Any, _record: Any, _cargs: Any, cparams: dict[str, Any]) -> None:
+    """Connect without ``CLIENT_FOUND_ROWS``, so affected rows count changed
+    rows: 1 for an inserted claim, 0 for a duplicate's no-op update."""
+    cparams["client_flag"] = int(cparams.get("client_flag", 0)) & ~CLIENT_FOUND_ROWS
+
+
+def _reason(exc: Exception) -> str:
+    """The driver's own message, first line, with its class."""
+    orig = getattr(exc, "orig", None) or exc
+    lines = str(orig).strip().splitlines() or [""]
+    return f"{type(orig).__name__}: {lines[0]}"
+
+
+def _record(job: str, row: Any) -> RunRecord:
+    return RunRecord(
+        job=job,
+        slot_ms=int(row.slot_ms),
+        state=State(row.state),
+        instance=row.owner,
+        token=int(row.token),
+        claimed_at_ms=row.claimed_at_ms,
+        sent_at_ms=row.sent_at_ms,
+        started_at_ms=row.started_at_ms,
+        finished_at_ms=row.finished_at_ms,
+        task_id=row.task_id,
+        error=row.error,
+        manual_key=row.manual_key,
+    )
