@@ -73,6 +73,9 @@ SENTINEL_PORT = 26379
 #   trim(runs, index, size, ttl, now)  drop records older than ttl (by slot)
 #       and the oldest beyond size, but never one whose keep_until_ms is
 #       still ahead: that record guards its slot together with the claim key.
+#   set_guard(k, v, t, n)    set claim key k to v, expiring at t (or later,
+#       if it already expires later); deleted when t is not ahead of now
+#   outside_window(slot, now, before, after)   the claim window test
 _LUA_HELPERS = """
 local function now_ms()
     local t = redis.call('TIME')
@@ -118,10 +121,12 @@ local function trim(runs, index, size, ttl, now)
 end
 
 local function set_guard(key, value, keep_until, now)
-    redis.call('SET', key, value, 'KEEPTTL')
     if keep_until <= now then
         redis.call('DEL', key)
+    elseif redis.call('PTTL', key) < 0 then
+        redis.call('SET', key, value, 'PXAT', int(keep_until))
     else
+        redis.call('SET', key, value, 'KEEPTTL')
         keep_key_until(key, keep_until, now)
     end
 end
@@ -1009,9 +1014,13 @@ def _text(value: str | bytes) -> str:
 
 
 def _one_reconnect() -> Retry:
-    """Retry once, at once, on a connection error: a pooled connection that
-    went stale (server restart, failover) reconnects without an error; a
-    server that is down fails fast. Timeouts are not retried."""
+    """Retry once, at once, on a connection error, never on a timeout.
+
+    redis-py's pool already replaces a connection the server closed before
+    it is used; this covers one that breaks while in use. A server that is
+    down still fails fast (two refused connects), and a frozen one after one
+    ``socket_timeout``. Re-running a script whose reply was lost is safe: a
+    claim then answers ``taken`` (lost, never a duplicate)."""
     return Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
 
 
@@ -1083,8 +1092,11 @@ _PASSWORD = re.compile(r"(//[^:@/;,]*:)[^@/;]*@")
 
 
 def _masked(url: str) -> str:
-    """``url`` with every password masked (also in multi-host Sentinel URLs,
-    which kombu's sanitizer does not parse)."""
-    if _is_sentinel(url):
-        return _PASSWORD.sub(r"\1**@", url)
-    return sanitize_url(url)
+    """``url`` with every password masked, also in multi-host Sentinel URLs
+    and malformed ones, which kombu's sanitizer cannot parse."""
+    if not _is_sentinel(url):
+        try:
+            return sanitize_url(url)
+        except ValueError:
+            pass
+    return _PASSWORD.sub(r"\1**@", url)
