@@ -686,7 +686,8 @@ def test_registry_lists_live_instances_and_prunes_dead_ones(
     live = backend.instances()
     assert [i.instance for i in live] == ["a", "b"]
     assert live[1].jobs == {"j": "h"} and live[1].heartbeat_ms >= now
-    assert raw.zcard(f"{{{backend.prefix}}}:instances") == 2
+    backend.register(InstanceInfo("a", "host1", 1, "0.1", now - 10), 60_000)  # prunes
+    assert sorted(raw.zrange(f"{{{backend.prefix}}}:instances", 0, -1)) == ["a", "b"]
     backend.unregister("a")
     assert [i.instance for i in backend.instances()] == ["b"]
 
@@ -848,3 +849,54 @@ def test_measured_round_trip_throughput_and_memory(
     assert statistics.median(single) < 20
     assert per_second > 2_000
     assert 0 < per_slot < 2_000 and claim_key > 0
+
+
+# -- Redis Cluster ---------------------------------------------------------------
+
+
+def _cluster(own_redis: Callable[..., RedisProcess]) -> list[RedisProcess]:
+    """Three primaries, the 16384 hash slots split between them."""
+    nodes = [own_redis("--cluster-enabled", "yes") for _ in range(3)]
+    clients = [n.client() for n in nodes]
+    bounds = [(0, 5460), (5461, 10922), (10923, 16383)]
+    for client, (first, last) in zip(clients, bounds, strict=True):
+        client.execute_command("CLUSTER ADDSLOTSRANGE", first, last)
+    for node in nodes[1:]:
+        clients[0].execute_command("CLUSTER MEET", "127.0.0.1", node.port)
+
+    def ready() -> bool:
+        return all(c.execute_command("CLUSTER INFO")["cluster_state"] == "ok" for c in clients)
+
+    _eventually(ready)
+    for client in clients:
+        client.close()
+    return nodes
+
+
+def test_redis_cluster_client(own_redis: Callable[..., RedisProcess]) -> None:
+    from redis.cluster import RedisCluster
+
+    nodes = _cluster(own_redis)
+    client = RedisCluster(host="127.0.0.1", port=nodes[0].port, decode_responses=True)
+    backend = backend_from_url(None, client=client, instance="host-a")
+    backend.open()
+    now = backend.now_ms()
+    jobs = [f"job-{i}" for i in range(60)]  # spread over all three nodes
+    requests = [request(j, now) for j in jobs]
+    assert all(c.won for c in backend.claim(requests))
+    assert {c.reason for c in backend.claim(requests)} == {"taken"}
+    for node in nodes:
+        node.client().script_flush()  # NOSCRIPT on every node
+    later = backend.claim([request(j, now + 1) for j in jobs])
+    assert all(c.won for c in later)
+    assert backend.mark(later[7], State.SENT, task_id="t")
+    assert [r.state for r in backend.history("job-7")] == [State.SENT, State.CLAIMED]
+    assert backend.claim_manual("job-7", "k", now + MINUTE_MS).won
+    backend.register(InstanceInfo("host-a", "h", 1, "0", now), MINUTE_MS)
+    assert [i.instance for i in backend.instances()] == ["host-a"]
+    nodes[2].client().config_set("maxmemory", "100mb")
+    nodes[2].client().config_set("maxmemory-policy", "allkeys-lru")
+    with pytest.raises(ConfigurationError, match=f"node 127.0.0.1:{nodes[2].port}.*allkeys-lru"):
+        backend.open()  # every primary is checked
+    backend.close()
+    client.close()

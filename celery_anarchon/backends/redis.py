@@ -32,14 +32,15 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 from urllib.parse import unquote, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
 from redis.exceptions import (
     AuthenticationError,
     AuthorizationError,
@@ -429,6 +430,9 @@ _STAMP = {
     State.LOST: "finished_at_ms",
 }
 
+#: A client: a plain (or Sentinel-managed) Redis, or a cluster.
+_Client = redis.Redis | RedisCluster
+
 #: One scripted call: (script, keys, args).
 _Call = tuple[_Script, Sequence[str], Sequence[Any]]
 
@@ -468,12 +472,19 @@ class RedisBackend(Backend):
     can be claimed twice; AOF with ``appendfsync always`` and replicas narrow
     that window, they do not close it. An eviction policy other than
     ``noeviction`` with ``maxmemory`` set can evict claim keys: :meth:`open`
-    refuses it unless ``allow_eviction``. Every key of a job shares the hash
-    tag ``{PJ}`` so scripts stay on one Redis Cluster slot; Redis Cluster is
-    designed for but untested here.
+    refuses it unless ``allow_eviction`` (on a cluster, every primary is
+    checked).
+
+    Redis Cluster: every key of a job shares the hash tag ``{PJ}`` (the
+    registry's share ``{P}``), so each script touches one cluster slot. Pass
+    a ``redis.cluster.RedisCluster`` as the client (there is no cluster URL
+    scheme); tested against a three-primary cluster without replicas, not
+    through resharding or cluster failover. Every script touches only the
+    keys it declares.
 
     A batch of claims goes out as one pipeline of ``EVALSHA`` calls (one
-    round trip; a second one to load the scripts after a ``NOSCRIPT``).
+    round trip per node; after a ``NOSCRIPT``, one ``SCRIPT LOAD`` per
+    missing script and a second pipeline for the calls that did not run).
 
     URLs: ``redis://[[user]:password@]host:6379/0``, ``rediss://`` (TLS,
     redis-py's ``ssl_*`` query parameters such as ``ssl_ca_certs``,
@@ -501,7 +512,7 @@ class RedisBackend(Backend):
         self,
         url: str | None,
         *,
-        client: redis.Redis | None = None,
+        client: redis.Redis | RedisCluster | None = None,
         instance: str,
         prefix: str = "anarchon:",
         socket_timeout: float | str = 5.0,
@@ -512,7 +523,8 @@ class RedisBackend(Backend):
 
         Args:
             url: the Redis URL; None when ``client`` is given.
-            client: a ``redis.Redis`` the user owns: used as is and never
+            client: a ``redis.Redis`` (or ``redis.cluster.RedisCluster``)
+                the user owns: used as is and never
                 closed by :meth:`close`.
             instance: this scheduler's instance id (owner of its claims).
             prefix, socket_timeout, master_name, allow_eviction: see the
@@ -531,7 +543,7 @@ class RedisBackend(Backend):
         self.allow_eviction = _flag("allow_eviction", allow_eviction)
         self._url = url
         self._owns_client = client is None
-        self._client: redis.Redis | None = client
+        self._client: _Client | None = client
         self._sentinel: Sentinel | None = None
         if client is None and url is not None:
             self._check_url(url)
@@ -775,33 +787,26 @@ class RedisBackend(Backend):
             BackendUnavailable: no answer.
         """
         with self._translated("unregister"):
-            pipe = self._require_client().pipeline(transaction=True)
+            pipe = self._require_client().pipeline(transaction=False)
             pipe.delete(self._instance_key(instance))
             pipe.zrem(self._registry_key(), instance)
             pipe.execute()
 
     def instances(self) -> list[InstanceInfo]:
-        """The live instances, oldest start first; dead index entries are
-        pruned. Two round trips (index with the server's ``TIME``, then the
-        instances' hashes).
+        """The live instances (those whose hash has not expired), oldest
+        start first. Two round trips: the index, then the instances' hashes.
+        Dead index entries are pruned by :meth:`register`.
 
         Raises:
             BackendUnavailable: no answer.
         """
         client = self._require_client()
-        index = self._registry_key()
         with self._translated("instances"):
+            members = cast("list[str | bytes]", client.zrange(self._registry_key(), 0, -1))
             pipe = client.pipeline(transaction=False)
-            pipe.time()
-            pipe.zrange(index, 0, -1, withscores=True)
-            (seconds, micros), members = pipe.execute()
-            now = int(seconds) * 1000 + int(micros) // 1000
-            live = [_text(m) for m, expires in members if expires >= now]
-            pipe = client.pipeline(transaction=False)
-            pipe.zremrangebyscore(index, "-inf", f"({now}")
-            for member in live:
-                pipe.hmget(self._instance_key(member), ["info", "heartbeat_ms"])
-            found = pipe.execute()[1:]
+            for member in members:
+                pipe.hmget(self._instance_key(_text(member)), ["info", "heartbeat_ms"])
+            found = pipe.execute() if members else []
         infos = [
             _instance(info, beat) for info, beat in found if info is not None and beat is not None
         ]
@@ -857,18 +862,18 @@ class RedisBackend(Backend):
             replies = _pipeline(client, calls)
             again = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
             if again:
-                self._load_scripts(client)
+                self._load_scripts(client, {calls[i][0] for i in again})
                 for i, reply in zip(
                     again, _pipeline(client, [calls[i] for i in again]), strict=True
                 ):
                     replies[i] = reply
         return replies
 
-    def _load_scripts(self, client: redis.Redis) -> None:
-        pipe = client.pipeline(transaction=False)
-        for script in SCRIPTS:
-            pipe.script_load(script.source)
-        pipe.execute()
+    def _load_scripts(self, client: _Client, scripts: Iterable[_Script] = SCRIPTS) -> None:
+        # One call per script, not a pipeline: a cluster client refuses to
+        # pipeline SCRIPT LOAD, and sends each to every primary.
+        for script in scripts:
+            client.script_load(script.source)
 
     @contextmanager
     def _translated(self, what: str) -> Iterator[None]:
@@ -880,7 +885,7 @@ class RedisBackend(Backend):
     def _unavailable(self, what: str, exc: BaseException) -> BackendUnavailable:
         return BackendUnavailable(f"Redis {what} failed on {self.describe()}: {exc}")
 
-    def _require_client(self) -> redis.Redis:
+    def _require_client(self) -> _Client:
         if self._client is None:
             self.open()
         assert self._client is not None
@@ -928,10 +933,11 @@ class RedisBackend(Backend):
         )
         return client
 
-    def _check_eviction(self, client: redis.Redis) -> None:
-        """Refuse a Redis that may evict claim keys (see class docstring)."""
+    def _check_eviction(self, client: _Client) -> None:
+        """Refuse a Redis that may evict claim keys (see class docstring);
+        with a cluster client, every primary is checked."""
         try:
-            config = client.config_get("maxmemory*")
+            configs = _memory_configs(client)
         except (AuthenticationError, AuthorizationError, redis.ConnectionError):
             raise
         except ResponseError as exc:
@@ -943,12 +949,17 @@ class RedisBackend(Backend):
                 exc,
             )
             return
+        for where, config in configs:
+            self._refuse_eviction(where, config)
+
+    def _refuse_eviction(self, where: str, config: dict[str, Any]) -> None:
         maxmemory = int(config.get("maxmemory") or 0)
-        policy = str(config.get("maxmemory-policy") or "noeviction")
-        if maxmemory == 0 or policy == "noeviction":
+        policy = config.get("maxmemory-policy")
+        if maxmemory == 0 or policy in (None, "noeviction"):
             return
+        node = f" (node {where})" if where else ""
         message = (
-            f"Redis at {self.describe()} has maxmemory {maxmemory} with "
+            f"Redis at {self.describe()}{node} has maxmemory {maxmemory} with "
             f"maxmemory-policy {policy}: it can evict claim keys ('volatile-*' "
             "policies evict exactly the keys that have an expiry, as claim keys do), "
             "and an evicted claim lets a second instance run the same slot."
@@ -964,10 +975,21 @@ class RedisBackend(Backend):
 # -- helpers -----------------------------------------------------------------
 
 
-def _pipeline(client: redis.Redis, calls: Sequence[_Call]) -> list[Any]:
+def _memory_configs(client: _Client) -> list[tuple[str, dict[str, Any]]]:
+    """``CONFIG GET maxmemory*`` of the server (named ``""``), or of every
+    cluster primary (named ``host:port``)."""
+    if isinstance(client, RedisCluster):
+        nodes = client.config_get("maxmemory*", target_nodes=RedisCluster.PRIMARIES)
+        return list(cast("dict[str, dict[str, Any]]", nodes).items())
+    return [("", cast("dict[str, Any]", client.config_get("maxmemory*")))]
+
+
+def _pipeline(client: _Client, calls: Sequence[_Call]) -> list[Any]:
     with client.pipeline(transaction=False) as pipe:
         for script, keys, args in calls:
-            pipe.evalsha(script.sha, len(keys), *keys, *args)
+            # execute_command, not evalsha(): a cluster pipeline blocks the
+            # latter but routes EVALSHA by its first key.
+            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
         replies: list[Any] = pipe.execute(raise_on_error=False)
     return replies
 
