@@ -93,13 +93,26 @@ def free_port() -> int:
     return port
 
 
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (``port + 10000``) is free too."""
+    while True:
+        port = random.randrange(20_000, 30_000)
+        try:
+            for candidate in (port, port + 10_000):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", candidate))
+        except OSError:
+            continue
+        return port
+
+
 class RedisProcess:
     """A ``redis-server`` of a test's own, on a spare port in ``folder``."""
 
     def __init__(self, folder: Path, *args: str, tls: bool = False) -> None:
         self.folder = folder
         self.args = args
-        self.port = free_port()
+        self.port = free_cluster_port() if "--cluster-enabled" in args else free_port()
         self.tls = tls
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -532,6 +545,7 @@ def test_options_come_from_the_url_query(prefix: str) -> None:
         ("redis://127.0.0.1/0", {"socket_timeout": "soon"}, "socket_timeout"),
         ("redis://127.0.0.1/0", {"allow_eviction": "maybe"}, "allow_eviction"),
         ("redis://127.0.0.1:notaport/0", {}, "anarchon_backend"),
+        ("redis://127.0.0.1/0?sslmode=require", {}, "sslmode"),
     ],
 )
 def test_bad_configuration_is_refused_before_connecting(
@@ -539,6 +553,19 @@ def test_bad_configuration_is_refused_before_connecting(
 ) -> None:
     with pytest.raises(ConfigurationError, match=names):
         backend_from_url(url, instance="x", options=options)
+
+
+def test_a_redis_older_than_6_2_is_refused(prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The real server is newer; only its answer to INFO is made to look old.
+    client = redis.Redis.from_url(REDIS_URL)
+    real_info = client.info
+    monkeypatch.setattr(client, "info", lambda *a: {**real_info(*a), "redis_version": "6.0.16"})
+    backend = RedisBackend(None, client=client, instance="x", prefix=prefix)
+    with pytest.raises(ConfigurationError, match="6.0.16"):
+        backend.open()
+    monkeypatch.undo()
+    backend.open()
+    client.close()
 
 
 def test_describe_masks_sentinel_passwords() -> None:

@@ -63,6 +63,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_HISTORY_TTL_MS = 7 * 24 * 3600 * 1000
 #: Lease of a manual run, milliseconds.
 MANUAL_LEASE_MS = 60_000
+#: Oldest Redis the scripts run on (``SET .. PXAT`` and ``KEEPTTL``).
+MIN_REDIS = (6, 2)
 #: Default Sentinel port.
 SENTINEL_PORT = 26379
 
@@ -453,8 +455,9 @@ class RedisBackend(Backend):
       the request's ``keep_until_ms`` (``PEXPIREAT``, an absolute time), and
       history trimming skips a record until its ``keep_until_ms``;
     * the claim window and lease expiry are judged by the server's clock
-      (``TIME`` inside the scripts; Redis 5+ replicates script effects, so
-      that is safe), never by the client's;
+      (``TIME`` inside the scripts; Redis replicates a script's effects, not
+      the script, so replicas and the AOF see the same writes), never by the
+      client's;
     * fencing: :data:`LUA_MARK_SCRIPT` and :data:`LUA_RELEASE_SCRIPT` write
       only when the slot's current record carries the caller's token;
       :data:`LUA_TAKE_OVER_SCRIPT` takes a ``claimed`` slot whose lease ran
@@ -467,7 +470,8 @@ class RedisBackend(Backend):
       scripts, and the history keys themselves expire when their newest
       record would be trimmed by age; registry entries expire after ``ttl_ms``.
 
-    Limits (DESIGN section 4): a Redis without persistence, or a Sentinel
+    Needs Redis 6.2 or later (:meth:`open` checks). Limits (DESIGN section
+    4): a Redis without persistence, or a Sentinel
     failover that loses unreplicated writes, can lose a claim, and then a slot
     can be claimed twice; AOF with ``appendfsync always`` and replicas narrow
     that window, they do not close it. An eviction policy other than
@@ -555,7 +559,8 @@ class RedisBackend(Backend):
 
         Idempotent. Raises:
             BackendUnavailable: Redis cannot be reached in ``socket_timeout``.
-            ConfigurationError: authentication is refused, or ``maxmemory``
+            ConfigurationError: authentication is refused, Redis is older
+                than 6.2, or ``maxmemory``
                 is set with a policy other than ``noeviction`` and
                 ``allow_eviction`` is off.
         """
@@ -563,6 +568,7 @@ class RedisBackend(Backend):
             self._client = self._connect()
         client = self._client
         try:
+            self._check_version(client)
             self._check_eviction(client)
             self._load_scripts(client)
         except (AuthenticationError, AuthorizationError) as exc:
@@ -904,9 +910,15 @@ class RedisBackend(Backend):
             _sentinel_parts(url)
             return
         try:
-            redis.connection.parse_url(url)
-        except ValueError as exc:
-            raise ConfigurationError(f"anarchon_backend {_masked(url)!r}: {exc}") from exc
+            # Builds a connection object (no socket) so that a query
+            # parameter redis-py does not know fails here, not in a tick.
+            pool = redis.ConnectionPool.from_url(url)
+            pool.connection_class(**pool.connection_kwargs)
+        except (TypeError, ValueError) as exc:
+            raise ConfigurationError(
+                f"anarchon_backend {_masked(url)!r}: {exc}. Query parameters other than "
+                f"{', '.join(sorted(self.options))} go to redis-py's connection as is."
+            ) from exc
 
     def _connect(self) -> redis.Redis:
         assert self._url is not None
@@ -932,6 +944,17 @@ class RedisBackend(Backend):
             self.master_name, db=db, username=username, password=password, **timeouts
         )
         return client
+
+    def _check_version(self, client: _Client) -> None:
+        """Refuse a Redis older than 6.2 (the scripts use ``SET .. PXAT``)."""
+        if isinstance(client, RedisCluster):
+            return  # redis-py answers INFO per node there; cluster needs 7 anyway
+        version = str(client.info("server").get("redis_version", "0"))
+        if tuple(int(p) for p in re.findall(r"\d+", version)[:2]) < MIN_REDIS:
+            raise ConfigurationError(
+                f"anarchon_backend: Redis at {self.describe()} is version {version}; "
+                "the claim scripts need Redis 6.2 or later."
+            )
 
     def _check_eviction(self, client: _Client) -> None:
         """Refuse a Redis that may evict claim keys (see class docstring);
