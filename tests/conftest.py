@@ -127,7 +127,7 @@ def _redis_cleanup() -> Iterator[None]:
         import redis
 
         client = redis.Redis.from_url(REDIS_URL, socket_timeout=2)
-        for key in client.scan_iter(match=f"anarchon-test:{RUN_ID}:*", count=1000):
+        for key in client.scan_iter(match=f"{{anarchon-test:{RUN_ID}:*", count=1000):
             client.delete(key)
         client.close()
     except Exception:

@@ -58,7 +58,8 @@ def test_three_beats_send_every_slot_exactly_once(
     duplicates = {slot: n for slot, n in sent.items() if n > 1}
     missing = [(job, s) for job, slots in expected.items() for s in slots if (job, s) not in sent]
     counted = sum(len(s) for s in expected.values())
-    assert counted >= 2 * (RUN_S - SETTLE_S - TAIL_S)  # the window really held slots
+    # One slot a second plus one every two seconds: the window really held slots.
+    assert counted >= 1.4 * (RUN_S - SETTLE_S - TAIL_S)
     assert duplicates == {}, cluster.logs()
     assert missing == [], cluster.logs()
     print(f"{name}: {counted} slots due, {len(sent)} sent in all, 0 duplicates, 0 missed")

@@ -214,6 +214,19 @@ class Backend(abc.ABC):
 
     instance: str
 
+    def __init__(
+        self, url: str | None = None, *, client: Any = None, instance: str, **options: Any
+    ) -> None:
+        """Remember the URL, the user's client and the instance id; never
+        connect here (Celery's ``lazy=True`` contract).
+
+        Raises:
+            ConfigurationError: an unknown or malformed option.
+        """
+        self.url = url
+        self.client = client
+        self.instance = instance
+
     @abc.abstractmethod
     def open(self) -> None:
         """Connect and create the schema (tables, scripts) if missing.
