@@ -185,6 +185,7 @@ class Settings:
         )
         if defaults.lease_ttl == 0:
             raise ConfigurationError("anarchon_lease_ttl must be above 0 seconds.")
+        _check_jitter(defaults, None)
         raw_backend = conf.get("anarchon_backend")
         client = None
         url: str | None
@@ -234,7 +235,7 @@ class Settings:
         lease_ttl = dur("lease_ttl", d.lease_ttl)
         if lease_ttl == 0:
             raise ConfigurationError(f"{_where(job)}lease_ttl must be above 0 seconds.")
-        return JobOptions(
+        options = JobOptions(
             jitter=dur("jitter", d.jitter),
             max_late=dur("max_late", d.max_late),
             history_size=(
@@ -258,6 +259,8 @@ class Settings:
             lease_ttl=lease_ttl,
             anchor_ms=_anchor_ms(o["anchor"], job) if "anchor" in o else d.anchor_ms,
         )
+        _check_jitter(options, job)
+        return options
 
 
 _GLOBAL_KEYS = (
@@ -272,6 +275,18 @@ _GLOBAL_KEYS = (
     "catch_up_window",
     "catch_up_limit",
 )
+
+
+def _check_jitter(options: JobOptions, job: str | None) -> None:
+    """A claim is delayed up to ``jitter`` after the slot and a slot later
+    than ``max_late`` is missed, so jitter must stay below max_late."""
+    if options.jitter >= options.max_late:
+        prefix = _where(job) if job else "anarchon_"
+        raise ConfigurationError(
+            f"{prefix}jitter ({options.jitter}s) must be below {prefix}max_late "
+            f"({options.max_late}s): a claim delayed by the jitter would be recorded as "
+            "missed. Lower the jitter or raise max_late."
+        )
 
 
 def _anchor_ms(value: Any, job: str) -> int:

@@ -4,6 +4,7 @@ kombu's in-process ``memory://`` transport as the Celery broker."""
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -29,15 +30,16 @@ class Clock:
 
 def make_app(tmp_path: Path, schedule: dict[str, Any], **conf: Any) -> Celery:
     app = Celery(f"sched-{uuid.uuid4().hex[:6]}", set_as_current=False)
-    app.conf.update(
-        broker_url="memory://",
-        task_default_queue=f"q-{uuid.uuid4().hex[:8]}",
-        anarchon_backend=f"sqlite:///{tmp_path / 'claims.db'}",
-        anarchon_jitter=0,
-        beat_schedule=schedule,
-        timezone="UTC",
-        **conf,
-    )
+    settings: dict[str, Any] = {
+        "broker_url": "memory://",
+        "task_default_queue": f"q-{uuid.uuid4().hex[:8]}",
+        "anarchon_backend": f"sqlite:///{tmp_path / 'claims.db'}",
+        "anarchon_jitter": 0,
+        "anarchon_max_skew": 60,
+        "beat_schedule": schedule,
+        "timezone": "UTC",
+    }
+    app.conf.update({**settings, **conf})
     return app
 
 
@@ -57,7 +59,15 @@ def sent_messages(app: Celery) -> list[dict[str, Any]]:
     return out
 
 
-T0 = 1_800_000_000.0  # 2027-01-15T08:00:00Z, a whole minute
+@pytest.fixture
+def t0() -> float:
+    """A whole second just past the real now.
+
+    The SQLite backend judges the claim window by the process clock, so the
+    test clock starts at the real time and moves forward by hand from there
+    (``anarchon_max_skew`` is widened to let it run ahead).
+    """
+    return float(int(time.time()) + 1)
 
 
 @pytest.fixture
@@ -66,18 +76,18 @@ def every_second() -> dict[str, Any]:
 
 
 def test_sends_each_due_slot_with_headers_and_derived_task_id(
-    tmp_path: Path, every_second: dict[str, Any]
+    t0: float, tmp_path: Path, every_second: dict[str, Any]
 ) -> None:
     app = make_app(tmp_path, every_second, anarchon_max_late=0.5)
-    clock = Clock(T0 + 0.5)
+    clock = Clock(t0 + 0.5)
     s = Scheduler(app, clock=clock)
     try:
-        assert s.tick() == pytest.approx(0.5)  # first slot: T0 + 1
+        assert s.tick() == pytest.approx(0.5)  # first slot: t0 + 1
         assert sent_messages(app) == []
-        clock.now = T0 + 1.0
+        clock.now = t0 + 1.0
         s.tick()
         [headers] = sent_messages(app)
-        slot = int((T0 + 1) * 1000)
+        slot = int((t0 + 1) * 1000)
         assert headers["anarchon_job"] == "tick"
         assert headers["anarchon_slot"] == slot
         assert headers["anarchon_token"] == 1
@@ -90,19 +100,19 @@ def test_sends_each_due_slot_with_headers_and_derived_task_id(
 
 
 def test_two_schedulers_on_one_backend_send_each_slot_once(
-    tmp_path: Path, every_second: dict[str, Any]
+    t0: float, tmp_path: Path, every_second: dict[str, Any]
 ) -> None:
     app = make_app(tmp_path, every_second, anarchon_max_late=0.5)
-    clock = Clock(T0 + 0.5)
+    clock = Clock(t0 + 0.5)
     a, b = Scheduler(app, clock=clock), Scheduler(app, clock=clock)
     try:
         for step in range(1, 11):
-            clock.now = T0 + step
+            clock.now = t0 + step
             (a, b)[step % 2].tick()
             (b, a)[step % 2].tick()
         sent = sent_messages(app)
         slots = [h["anarchon_slot"] for h in sent]
-        assert sorted(slots) == [int((T0 + i) * 1000) for i in range(1, 11)]
+        assert sorted(slots) == [int((t0 + i) * 1000) for i in range(1, 11)]
         senders = {r.instance for r in a.backend.history("tick")}  # type: ignore[union-attr]
         assert senders == {a.instance_id, b.instance_id}
     finally:
@@ -111,55 +121,62 @@ def test_two_schedulers_on_one_backend_send_each_slot_once(
 
 
 def test_a_slot_later_than_max_late_is_recorded_missed_not_sent(
-    tmp_path: Path, every_second: dict[str, Any], caplog: pytest.LogCaptureFixture
+    t0: float, tmp_path: Path, every_second: dict[str, Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     app = make_app(tmp_path, every_second, anarchon_max_late=2)
-    clock = Clock(T0 + 0.5)
+    clock = Clock(t0 + 0.5)
     s = Scheduler(app, clock=clock)
     try:
-        clock.now = T0 + 10.5  # slots T0-1 .. T0+8 are more than 2 s late
+        clock.now = t0 + 10.5  # slots t0-1 .. t0+8 are more than 2 s late
         with caplog.at_level(logging.WARNING, logger="celery_anarchon.scheduler"):
             s.tick()
         sent = sorted(h["anarchon_slot"] for h in sent_messages(app))
-        assert sent == [int((T0 + i) * 1000) for i in (9, 10)]
+        assert sent == [int((t0 + i) * 1000) for i in (9, 10)]
         history = s.backend.history("tick")  # type: ignore[union-attr]
         missed = sorted(r.slot_ms for r in history if r.state is State.MISSED)
-        assert missed == [int((T0 + i) * 1000) for i in range(-1, 9)]
+        assert missed == [int((t0 + i) * 1000) for i in range(-1, 9)]
         assert "missed 10 slot(s) of tick" in caplog.text
     finally:
         s.close()
 
 
 def test_start_up_never_records_old_slots_as_missed(
-    tmp_path: Path, every_second: dict[str, Any]
+    t0: float, tmp_path: Path, every_second: dict[str, Any]
 ) -> None:
     app = make_app(tmp_path, every_second, anarchon_max_late=3)
-    clock = Clock(T0 + 0.5)
+    clock = Clock(t0 + 0.5)
     s = Scheduler(app, clock=clock)
     try:
         s.tick()
         history = s.backend.history("tick")  # type: ignore[union-attr]
         assert {r.state for r in history} == {State.SENT}
         # The slots inside max_late before start-up are sent, nothing older.
-        assert sorted(r.slot_ms for r in history) == [int((T0 + i) * 1000) for i in (-2, -1, 0)]
+        assert sorted(r.slot_ms for r in history) == [int((t0 + i) * 1000) for i in (-2, -1, 0)]
     finally:
         s.close()
 
 
-def test_jitter_delays_the_claim_inside_the_heap(tmp_path: Path) -> None:
+def test_jitter_delays_the_claim_inside_the_heap(t0: float, tmp_path: Path) -> None:
     schedule = {"j": {"task": "proj.j", "schedule": 60.0, "anarchon": {"jitter": 5}}}
-    app = make_app(tmp_path, schedule, anarchon_max_late=1)
-    clock = Clock(T0 + 1)
+    app = make_app(tmp_path, schedule, anarchon_max_late=10)
+    slot = (int(t0) // 60 + 1) * 60  # the next whole minute
+    clock = Clock(slot - 1.0)
     s = Scheduler(app, clock=clock)
     try:
-        clock.now = T0 + 60
+        clock.now = slot
         wait = s.tick()
         assert 0 <= wait <= 5
-        clock.now = T0 + 60 + 5
+        clock.now = slot + 5
         s.tick()
-        assert [h["anarchon_slot"] for h in sent_messages(app)] == [int((T0 + 60) * 1000)]
+        assert [h["anarchon_slot"] for h in sent_messages(app)] == [slot * 1000]
     finally:
         s.close()
+
+
+def test_jitter_must_stay_below_max_late(tmp_path: Path) -> None:
+    schedule = {"j": {"task": "proj.j", "schedule": 60.0, "anarchon": {"jitter": 5}}}
+    with pytest.raises(ConfigurationError, match="'j'.*jitter.*max_late"):
+        Scheduler(make_app(tmp_path, schedule, anarchon_max_late=5))
 
 
 def test_lazy_construction_connects_nothing(every_second: dict[str, Any], tmp_path: Path) -> None:
@@ -172,14 +189,14 @@ def test_lazy_construction_connects_nothing(every_second: dict[str, Any], tmp_pa
 
 
 def test_an_unreachable_backend_keeps_beat_alive_and_sends_nothing(
-    tmp_path: Path, every_second: dict[str, Any], caplog: pytest.LogCaptureFixture
+    t0: float, tmp_path: Path, every_second: dict[str, Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     app = make_app(tmp_path, every_second, anarchon_backend="redis://127.0.0.1:1/0")
-    clock = Clock(T0 + 0.5)
+    clock = Clock(t0 + 0.5)
     with caplog.at_level(logging.ERROR, logger="celery_anarchon.scheduler"):
         s = Scheduler(app, clock=clock)
         for step in range(1, 6):
-            clock.now = T0 + step
+            clock.now = t0 + step
             assert s.tick() >= 0
     assert sent_messages(app) == []
     assert caplog.text.count("is unavailable") == 1  # once per outage, not per slot
@@ -212,8 +229,8 @@ def test_unknown_per_entry_key_is_refused(tmp_path: Path) -> None:
         Scheduler(make_app(tmp_path, schedule))
 
 
-def test_apply_entry_never_raises(tmp_path: Path, every_second: dict[str, Any]) -> None:
-    s = Scheduler(make_app(tmp_path, every_second), clock=Clock(T0))
+def test_apply_entry_never_raises(t0: float, tmp_path: Path, every_second: dict[str, Any]) -> None:
+    s = Scheduler(make_app(tmp_path, every_second), clock=Clock(t0))
     try:
         s.apply_entry(s.schedule["tick"], producer=None)
     finally:
