@@ -34,6 +34,7 @@ from . import __version__
 from .backends import backend_from_url, scheme_of
 from .backends.base import Backend, Claim, ClaimRequest, InstanceInfo, State
 from .exceptions import BackendUnavailable, ConfigurationError
+from .metrics import Metrics, metrics_from_app
 from .settings import JobOptions, Settings
 from .slots import Slots, cron, definition, first_slot, oneoff, slots_for
 
@@ -313,6 +314,7 @@ class Scheduler(beat.Scheduler):
         self._backoff = BACKOFF_MIN
         self._closed = False
         self._random = random.Random()
+        self.metrics: Metrics = Metrics()
         super().__init__(app, *args, **kwargs)
 
     # -- set-up ------------------------------------------------------------
@@ -337,6 +339,7 @@ class Scheduler(beat.Scheduler):
         for job in self._jobs.values():
             self._check_backend_supports(job)
         self._warn_if_local_only()
+        self.metrics = metrics_from_app(self.app)
         self._started_ms = self._now_ms()
         self._connect()
         self._plan_first_slots()
@@ -476,6 +479,7 @@ class Scheduler(beat.Scheduler):
                 if claim.won:
                     self._send(job, claim)
                 else:
+                    self.metrics.lost(job.name)
                     logger.debug(
                         "anarchon: lost %s @ %s (%s)", job.name, _iso(claim.slot_ms), claim.reason
                     )
@@ -487,15 +491,18 @@ class Scheduler(beat.Scheduler):
             self._outage_lost += len(due)
             return lost
         requests = [job.claim_request(slot_ms, self._settings.max_skew) for job, slot_ms in due]
+        started = time.perf_counter()
         try:
             claims = self._backend.claim(requests)
         except BackendUnavailable as exc:
+            self.metrics.backend_error("claim")
             self._on_outage(exc)
             self._outage_lost += len(due)
             return lost
         except Exception:  # never let a backend bug stop beat; never send unclaimed
             logger.exception("anarchon: claim failed; %d slot(s) not sent", len(due))
             return lost
+        self.metrics.backend_call("claim", time.perf_counter() - started)
         self._on_success()
         if len(claims) != len(requests):
             logger.error("anarchon: backend answered %d of %d claims", len(claims), len(due))
@@ -522,7 +529,9 @@ class Scheduler(beat.Scheduler):
                 exc,
             )
             self._mark(claim, State.LOST, task_id=task_id, error=f"send failed: {exc!r}")
+            self.metrics.send_failed(job.name)
             return
+        self.metrics.won(job.name, self._clock() - claim.slot_ms / 1000)
         logger.info(
             "anarchon: sent %s @ %s (task %s, id %s)",
             job.name,
@@ -541,12 +550,17 @@ class Scheduler(beat.Scheduler):
     def _mark(self, claim: Claim, state: State, **fields: Any) -> bool:
         if self._backend is None:
             return False
+        started = time.perf_counter()
         try:
-            return self._backend.mark(claim, state, **fields)
+            done = self._backend.mark(claim, state, **fields)
         except BackendUnavailable as exc:
+            self.metrics.backend_error("mark")
             self._on_outage(exc)
         except Exception:
             logger.exception("anarchon: recording %s for %s failed", state, claim.job)
+        else:
+            self.metrics.backend_call("mark", time.perf_counter() - started)
+            return done
         return True
 
     def _record_missed(self, job: Job, slot_ms: int, now_ms: int) -> None:
@@ -572,6 +586,7 @@ class Scheduler(beat.Scheduler):
             if self._record_if_absent(job, slot, State.MISSED, "later than max_late"):
                 recorded += 1
         if recorded or skipped:
+            self.metrics.missed(job.name, recorded + skipped)
             logger.warning(
                 "anarchon: missed %d slot(s) of %s (last %s): this instance was more "
                 "than max_late=%ss behind%s",
@@ -695,6 +710,7 @@ class Scheduler(beat.Scheduler):
                 except Exception:
                     logger.exception("anarchon: closing the backend failed")
             self._backend_ready = False
+            self.metrics.close()
         super().close()
 
     @property

@@ -145,6 +145,17 @@ def test_worker_states_follow_the_run(backend: Backend, job: str) -> None:
     assert record.finished_at_ms is not None and record.started_at_ms is not None
 
 
+def test_running_is_a_start_gate_passed_once(backend: Backend, job: str) -> None:
+    lease_only(backend)
+    claim = backend.claim([request_for(backend, job)])[0]
+    backend.mark(claim, State.SENT, task_id="t")
+    assert backend.mark(claim, State.RUNNING)
+    assert not backend.mark(claim, State.RUNNING)  # a duplicate delivery
+    assert backend.mark(claim, State.SUCCEEDED)
+    assert not backend.mark(claim, State.RUNNING)
+    assert [r.state for r in backend.history(job)] == [State.SUCCEEDED]
+
+
 def test_missed_slot_is_recorded_once_and_closes_the_slot(
     make_backend: BackendFactory, job: str
 ) -> None:

@@ -276,11 +276,18 @@ class Backend(abc.ABC):
         ``started_at_ms`` for RUNNING, ``finished_at_ms`` for SUCCEEDED,
         FAILED and LOST), and ``task_id`` / ``error`` when given.
 
+        States only move forward (claimed, sent, running, then succeeded,
+        failed or lost); a mark that would move a run backwards, or out of
+        a finished state, writes nothing and returns False, except that a
+        late ``sent`` still fills in ``sent_at_ms`` and ``task_id``. So
+        ``mark(claim, RUNNING)`` is the worker's start gate: it returns True
+        once per slot, and False for a duplicate delivery.
+
         Returns:
             False when the record's current token is not ``claim.token``
-            (another instance took the slot over); nothing is written then.
-            Claim-only backends, which have no token to check, append the
-            state and return True.
+            (another instance took the slot over), or the move is not
+            forward; nothing is written then. Claim-only backends, which
+            have no token to check, append the state and return True.
         Raises:
             BackendUnavailable: no answer.
         """
