@@ -227,15 +227,62 @@ def test_mysql_user_engine_with_found_rows_is_refused(url: str, kind: str, prefi
         engine.dispose()
 
 
-def test_mark_to_identical_values_is_still_true(make: Make, job: str) -> None:
-    # MySQL reports 0 changed rows for an UPDATE that changes nothing; the
-    # token matched, so mark() must still say True.
+def test_a_repeated_late_sent_with_identical_values_is_still_true(
+    make: Make, job: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # MySQL counts changed rows, and a 'sent' repeated in the same
+    # millisecond with the same task id changes none; the token matched, so
+    # mark() must still say True. The database clock is pinned to get there.
     backend = make()
     claim = backend.claim([request_for(job, backend.now_ms())])[0]
-    assert backend.mark(claim, State.CLAIMED)
-    assert backend.mark(claim, State.CLAIMED)
-    stale = Claim(job, claim.slot_ms, won=True, token=2)
-    assert not backend.mark(stale, State.CLAIMED)
+    monkeypatch.setattr(backend, "_now_expr", lambda: 12345)
+    assert backend.mark(claim, State.SENT, task_id="t")
+    assert backend.mark(claim, State.SENT, task_id="t")
+    assert not backend.mark(Claim(job, claim.slot_ms, won=True, token=2), State.SENT)
+    [record] = backend.history(job)
+    assert (record.state, record.sent_at_ms, record.task_id) == (State.SENT, 12345, "t")
+
+
+# -- states ------------------------------------------------------------------------
+
+
+def test_running_gate_opens_once_under_concurrent_deliveries(make: Make, job: str) -> None:
+    workers = [make(f"worker-{i}") for i in range(6)]
+    claim = workers[0].claim([request_for(job, workers[0].now_ms())])[0]
+    workers[0].mark(claim, State.SENT, task_id="t")
+    barrier = threading.Barrier(len(workers))
+    started: list[bool] = []
+
+    def deliver(worker: SQLBackend) -> None:
+        barrier.wait()
+        started.append(worker.mark(claim, State.RUNNING))
+
+    threads = [threading.Thread(target=deliver, args=(w,)) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(started) == [False] * 5 + [True]
+
+
+def test_a_late_sent_fills_in_and_keeps_the_state(make: Make, job: str) -> None:
+    backend = make()
+    claim = backend.claim([request_for(job, backend.now_ms())])[0]
+    assert backend.mark(claim, State.RUNNING)
+    assert backend.mark(claim, State.SUCCEEDED)
+    assert backend.mark(claim, State.SENT, task_id="late")
+    assert not backend.mark(claim, State.FAILED, error="too late")
+    [record] = backend.history(job)
+    assert (record.state, record.task_id, record.error) == (State.SUCCEEDED, "late", None)
+    assert record.sent_at_ms is not None and record.finished_at_ms is not None
+
+
+def test_mark_refuses_states_it_does_not_write(make: Make, job: str) -> None:
+    backend = make()
+    claim = backend.claim([request_for(job, backend.now_ms())])[0]
+    assert not backend.mark(claim, State.CLAIMED)  # never a move forward
+    with pytest.raises(ValueError, match="record_if_absent"):
+        backend.mark(claim, State.MISSED)
 
 
 # -- clock and window --------------------------------------------------------------
@@ -462,6 +509,39 @@ def test_blocked_claim_gives_up_after_statement_timeout(make: Make, job: str) ->
     assert 0.5 < waited < 4
     assert isinstance(caught.value.__cause__, sa.exc.DBAPIError)
     assert backend.claim([req])[0].won  # the same engine works on
+
+
+_SESSION_ID = {"postgresql": "SELECT pg_backend_pid()", "mysql": "SELECT CONNECTION_ID()"}
+
+
+def _session_id(backend: SQLBackend) -> int:
+    assert backend._engine is not None
+    with backend._engine.connect() as conn:
+        return int(conn.exec_driver_sql(_SESSION_ID[backend.kind]).scalar_one())
+
+
+def _claim_in_child(backend: SQLBackend, job: str, results: Any) -> None:
+    answer = backend.claim([request_for(job, backend.now_ms())])[0]
+    results.put((answer.won, _session_id(backend)))
+    backend.close()
+
+
+def test_a_forked_child_leaves_the_parents_connections_alone(
+    make: Make, kind: str, job: str
+) -> None:
+    if kind == "sqlite":
+        pytest.skip("no server session to share")
+    backend = make()
+    parent_session = _session_id(backend)  # now pooled in the parent
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    child = ctx.Process(target=_claim_in_child, args=(backend, job, results))
+    child.start()
+    won, child_session = results.get(timeout=30)
+    child.join(30)
+    assert won and child_session != parent_session
+    # The child's close() did not end the parent's session: same one, still pooled.
+    assert _session_id(backend) == parent_session
 
 
 def _silent_server() -> socket.socket:

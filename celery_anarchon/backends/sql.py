@@ -94,10 +94,18 @@ _NOW_SQL = {
     "mysql": "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)",
 }
 
-# State order for mark(): a state never moves back (a late 'sent' after the
-# worker's 'succeeded' keeps 'succeeded'); finished states share the top rank.
-_RANK = {State.CLAIMED: 0, State.SENT: 1, State.RUNNING: 2}
-_TOP_RANK = 3
+#: States that end a run.
+FINISHED_STATES = (State.SUCCEEDED, State.FAILED, State.LOST)
+
+#: The states mark() moves a run to, each with the states it moves from:
+#: only forward along claimed < sent < running < succeeded/failed/lost. A
+#: 'sent' reaching a run already past it (the worker was quicker) is a late
+#: 'sent': it fills in sent_at_ms and task_id and leaves the state alone.
+_MOVES_FROM = {
+    State.SENT: (State.CLAIMED, State.SENT, State.RUNNING, *FINISHED_STATES),
+    State.RUNNING: (State.CLAIMED, State.SENT),
+    **{done: (State.CLAIMED, State.SENT, State.RUNNING) for done in FINISHED_STATES},
+}
 
 #: The timestamp column mark() sets for each state.
 _STAMP = {
@@ -296,8 +304,8 @@ class SQLBackend(Backend):
 
     * **One winner per slot.** A claim is one conditional insert of the slot's
       first record (token 1) on the key ``(job, slot_ms, token)``: SQLite and
-      PostgreSQL ``INSERT .. ON CONFLICT DO NOTHING`` (PostgreSQL with
-      ``RETURNING``, one statement for a batch); MySQL/MariaDB ``INSERT ..
+      PostgreSQL ``INSERT .. ON CONFLICT DO NOTHING RETURNING job, slot_ms``,
+      one multi-row statement for a batch; MySQL/MariaDB ``INSERT ..
       ON DUPLICATE KEY UPDATE job = job`` per slot, won when it affected one
       row. A no-op update affects 0 rows only without ``CLIENT_FOUND_ROWS``,
       which SQLAlchemy always sets: engines made here strip it, and
@@ -320,16 +328,24 @@ class SQLBackend(Backend):
     * **Records outlive every late claimer**: trimming deletes only records
       whose ``keep_until_ms`` has passed (by the database clock).
     * **Short waits**: ``connect_timeout`` bounds connecting (PostgreSQL:
-      at least 2 s, libpq's minimum) and ``statement_timeout`` each statement
-      (PostgreSQL ``statement_timeout``; MySQL client read/write timeouts and
+      at least 2 s, libpq's minimum; MySQL: the TCP connect, the server's
+      greeting then waits up to ``statement_timeout``) and
+      ``statement_timeout`` each statement (PostgreSQL ``statement_timeout``
+      and ``tcp_user_timeout``; MySQL client read/write timeouts and
       ``innodb_lock_wait_timeout``; SQLite busy timeout). Pooled connections
       are pinged before use, so the backend recovers when the database
       comes back. Every driver error is raised as
-      :class:`~celery_anarchon.exceptions.BackendUnavailable`.
+      :class:`~celery_anarchon.exceptions.BackendUnavailable`. These
+      settings apply to engines made here; a user's Engine keeps its own.
 
     SQLite runs in WAL mode and starts write transactions with ``BEGIN
     IMMEDIATE`` (engines made here), so processes on one host share a file.
     In-memory SQLite is refused: it cannot be shared between processes.
+    MySQL engines made here use ``READ COMMITTED``.
+
+    Fork-safe: in a process forked after connecting (a prefork worker), the
+    first call gives the engine a fresh pool without closing the parent's
+    connections.
 
     History is trimmed per job after writes, amortised: on a job's first
     write in this process and then every ``max(1, history_size // 10)`` of
@@ -375,6 +391,7 @@ class SQLBackend(Backend):
         self._tables = _tables(self.prefix)
         self._owns_engine = client is None
         self._engine: Engine | None = None
+        self._pid = os.getpid()
         self._ready = False
         self._writes: dict[str, int] = {}
         if client is not None:
@@ -433,11 +450,13 @@ class SQLBackend(Backend):
 
     def close(self) -> None:
         """Dispose of the engine this backend made; a user's Engine is left
-        untouched. Safe to call twice; a later call reopens."""
+        untouched. Safe to call twice; a later call reopens. In a process
+        forked after connecting, the connections inherited from the parent
+        are dropped without being closed (closing would end the parent's)."""
         engine, self._ready = self._engine, False
         if self._owns_engine and engine is not None:
             self._engine = None
-            engine.dispose()
+            engine.dispose(close=self._pid == os.getpid())
 
     def describe(self) -> str:
         """``SQL (<kind>) <URL>`` with the password masked."""
@@ -525,17 +544,17 @@ class SQLBackend(Backend):
 
     def _insert_claims(self, conn: Connection, rows: list[dict[str, Any]]) -> set[tuple[str, int]]:
         """Insert first records that are absent; the ``(job key, slot_ms)``
-        of those inserted."""
+        of those inserted. SQLite and PostgreSQL: one multi-row statement per
+        :data:`INSERT_CHUNK` rows (SQLAlchemy's "insertmanyvalues"), its
+        ``RETURNING`` naming the rows inserted; MySQL: one statement per row."""
         runs = self._tables.runs
         if self.kind == "mysql":
             return {(r["job"], r["slot_ms"]) for r in rows if self._insert_if_absent(conn, runs, r)}
+        stmt = self._insert_absent(runs).returning(runs.c.job, runs.c.slot_ms)
         won: set[tuple[str, int]] = set()
         for start in range(0, len(rows), INSERT_CHUNK):
             chunk = rows[start : start + INSERT_CHUNK]
-            stmt = self._insert_ignoring_conflicts(runs, chunk).returning(
-                runs.c.job, runs.c.slot_ms
-            )
-            won.update((job, slot) for job, slot in conn.execute(stmt))
+            won.update((job, slot) for job, slot in conn.execute(stmt, chunk))
         return won
 
     def take_over(self, request: ClaimRequest) -> Claim:
@@ -583,7 +602,7 @@ class SQLBackend(Backend):
             return _lost(request.job, request.slot_ms, "taken"), 0
         row = self._claim_row(request, now, token=int(current.token) + 1)
         row["keep_until_ms"] = keep_until_ms
-        conn.execute(sa.insert(runs).values(row))
+        conn.execute(sa.insert(runs), row)
         return self._answer(request, True, token=row["token"]), keep_until_ms
 
     def _current_record(self, conn: Connection, job: str, slot_ms: int) -> Any:
@@ -661,49 +680,67 @@ class SQLBackend(Backend):
         task_id: str | None = None,
         error: str | None = None,
     ) -> bool:
-        """Move a won claim's record to ``state`` with one fenced ``UPDATE ..
-        WHERE job, slot_ms, token = claim.token AND state <> 'superseded'``.
+        """Move a won claim's record forward to ``state`` (``sent``,
+        ``running``, ``succeeded``, ``failed`` or ``lost``) with one fenced
+        ``UPDATE .. WHERE job, slot_ms, token = claim.token AND state IN
+        (<states it may move from>)``.
 
-        The state's timestamp (``sent_at_ms``, ``started_at_ms`` or
-        ``finished_at_ms``) becomes the database's now. A state never moves
-        back (``claimed`` < ``sent`` < ``running`` < finished): a late
-        ``sent`` after the worker's ``succeeded`` sets ``sent_at_ms`` and
-        keeps ``succeeded``. ``task_id`` / ``error`` are written when given.
+        States only move forward: ``claimed`` < ``sent`` < ``running`` <
+        ``succeeded`` / ``failed`` / ``lost``. So ``mark(claim, RUNNING)``
+        is the worker's start gate: the first call moves the run and returns
+        True, a duplicate delivery's call finds it ``running`` and returns
+        False (concurrent calls queue on the row lock and re-check the
+        state). A ``sent`` that arrives after the worker moved the run on
+        (a late ``sent``) fills in ``sent_at_ms`` and ``task_id``, keeps the
+        state, and returns True. The state's timestamp (``sent_at_ms``,
+        ``started_at_ms`` or ``finished_at_ms``) becomes the database's now;
+        ``task_id`` / ``error`` are written when given.
 
         Returns:
             False when no current record carries ``claim.token`` (taken over,
-            released, trimmed, or the claim was lost).
+            released, trimmed, or the claim was lost), or the move is not
+            forward (``claimed`` never is); nothing is written then.
         Raises:
+            ValueError: ``state`` is ``missed``, ``skipped`` or
+                ``superseded``, which :meth:`record_if_absent` and
+                :meth:`take_over` write, never :meth:`mark`.
             BackendUnavailable: no answer.
         """
-        if not claim.won or not isinstance(claim.token, int):
-            return False
         state = State(state)
+        if state in (State.MISSED, State.SKIPPED, State.SUPERSEDED):
+            raise ValueError(f"mark() cannot record {state.value!r}; see record_if_absent()")
+        if state is State.CLAIMED or not claim.won or not isinstance(claim.token, int):
+            return False
         runs = self._tables.runs
-        not_higher = [
-            s.value for s in State if _RANK.get(s, _TOP_RANK) <= _RANK.get(state, _TOP_RANK)
-        ]
-        values: dict[str, Any] = {
-            "state": sa.case((runs.c.state.in_(not_higher), state.value), else_=runs.c.state)
-        }
-        if state in _STAMP:
-            values[_STAMP[state]] = self._now_expr()
-        if task_id is not None:
-            values["task_id"] = _clean(task_id)
-        if error is not None:
-            values["error"] = _clean(error)
         fenced = (
             runs.c.job == key_of(claim.job),
             runs.c.slot_ms == claim.slot_ms,
             runs.c.token == claim.token,
-            runs.c.state != State.SUPERSEDED.value,
+            runs.c.state.in_([s.value for s in _MOVES_FROM[state]]),
         )
         with self._write("mark") as conn:
-            changed = conn.execute(sa.update(runs).where(*fenced).values(values)).rowcount
+            update = sa.update(runs).where(*fenced).values(self._mark_values(state, task_id, error))
+            changed = conn.execute(update).rowcount
             if changed == 0 and self.kind == "mysql":
-                # MySQL counts changed rows: an update to identical values is 0.
+                # MySQL counts changed rows: a late 'sent' repeated with the
+                # same values in the same millisecond changes none.
                 changed = len(conn.execute(sa.select(runs.c.token).where(*fenced)).all())
         return changed == 1
+
+    def _mark_values(self, state: State, task_id: str | None, error: str | None) -> dict[str, Any]:
+        runs = self._tables.runs
+        values: dict[str, Any] = {_STAMP[state]: self._now_expr()}
+        if state is State.SENT:  # a late 'sent' keeps the state it finds
+            values["state"] = sa.case(
+                (runs.c.state == State.CLAIMED.value, State.SENT.value), else_=runs.c.state
+            )
+        else:
+            values["state"] = state.value
+        if task_id is not None:
+            values["task_id"] = _clean(task_id)
+        if error is not None:
+            values["error"] = _clean(error)
+        return values
 
     def record_if_absent(
         self,
@@ -744,14 +781,17 @@ class SQLBackend(Backend):
     def claim_manual(self, job: str, key: str, keep_until_ms: int) -> Claim:
         """Claim a manual run (``run_now``) of ``job`` under ``key``.
 
-        One transaction: insert the run record (state ``claimed``, token 1,
-        ``manual_key = key``, lease until ``keep_until_ms``) at the first free
-        millisecond from the database's now, skipping whole seconds, where
-        nearly every scheduled slot falls (cron, whole-second intervals), so
-        a manual run practically never takes a scheduled slot; then the
-        conditional insert of ``(job, key)`` into ``<prefix>manual``. When
-        that key exists the transaction is rolled back and the call lost.
-        The key is kept while its run record is, and at least until
+        One transaction: the conditional insert of ``(job, key)`` into
+        ``<prefix>manual`` (the same statement as a claim's); when that key
+        exists, the call is lost. Otherwise the run record (state
+        ``claimed``, token 1, ``manual_key = key``, lease until
+        ``keep_until_ms``) goes to the first free millisecond from the
+        database's now, skipping whole seconds, where nearly every scheduled
+        slot falls (cron, whole-second intervals), so a manual run
+        practically never takes a scheduled slot. The key row comes first:
+        racers for one key then queue on that one row, and never hold a run
+        row while waiting (MariaDB found deadlocks in the other order). The
+        key is kept while its run record is, and at least until
         ``keep_until_ms``.
 
         Returns:
@@ -761,23 +801,24 @@ class SQLBackend(Backend):
             BackendUnavailable: no answer (or no free millisecond in
                 :data:`MANUAL_SLOT_TRIES`).
         """
-        engine = self._ensure_open()
-        with self._unavailable("claim a manual run"), engine.connect() as conn:
-            tx = conn.begin()
+        manual = self._tables.manual
+        this_key = (manual.c.job == key_of(job), manual.c.manual_key == key_of(key))
+        with self._write("claim a manual run") as conn:
             now = self._now(conn)
-            slot = self._insert_manual_run(conn, job, key, now, keep_until_ms)
             guard = {
                 "job": key_of(job),
                 "manual_key": key_of(key),
-                "slot_ms": slot,
+                "slot_ms": now,
                 "keep_until_ms": keep_until_ms,
             }
-            if self._insert_if_absent(conn, self._tables.manual, guard):
-                tx.commit()
-                logger.debug("anarchon: manual run of %r under key %r claimed", job, key)
-                return Claim(job, slot, won=True, token=1)
-            tx.rollback()
-            return _lost(job, self._manual_slot(conn, job, key, slot), "taken")
+            if not self._insert_if_absent(conn, manual, guard):
+                used = conn.execute(sa.select(manual.c.slot_ms).where(*this_key)).scalar()
+                return _lost(job, now if used is None else int(used), "taken")
+            slot = self._insert_manual_run(conn, job, key, now, keep_until_ms)
+            if slot != now:
+                conn.execute(sa.update(manual).where(*this_key).values(slot_ms=slot))
+        logger.debug("anarchon: manual run of %r under key %r claimed", job, key)
+        return Claim(job, slot, won=True, token=1)
 
     def _insert_manual_run(
         self, conn: Connection, job: str, key: str, now: int, keep_until_ms: int
@@ -803,14 +844,6 @@ class SQLBackend(Backend):
             f"{self.describe()}: no free millisecond for a manual run of {job!r} "
             f"within {MANUAL_SLOT_TRIES} ms of now"
         )
-
-    def _manual_slot(self, conn: Connection, job: str, key: str, default: int) -> int:
-        manual = self._tables.manual
-        query = sa.select(manual.c.slot_ms).where(
-            manual.c.job == key_of(job), manual.c.manual_key == key_of(key)
-        )
-        found = conn.execute(query).scalar()
-        return default if found is None else int(found)
 
     # -- history -------------------------------------------------------------
 
@@ -933,25 +966,24 @@ class SQLBackend(Backend):
 
     # -- SQL helpers ---------------------------------------------------------
 
-    def _insert_ignoring_conflicts(self, table: sa.Table, rows: list[dict[str, Any]]) -> Any:
-        """``INSERT .. ON CONFLICT DO NOTHING`` (SQLite, PostgreSQL)."""
-        if self.kind == "postgresql":
-            return postgresql_sql.insert(table).values(rows).on_conflict_do_nothing()
-        return sqlite_sql.insert(table).values(rows).on_conflict_do_nothing()
-
-    def _insert_if_absent(self, conn: Connection, table: sa.Table, row: dict[str, Any]) -> bool:
-        """Insert ``row`` unless its primary key exists; whether it was
-        inserted. MySQL: ``ON DUPLICATE KEY UPDATE <first key> = <itself>``,
-        which affects 1 row when inserted and 0 on a duplicate (with
-        ``CLIENT_FOUND_ROWS`` off, see :meth:`_check_found_rows`)."""
+    def _insert_absent(self, table: sa.Table) -> Any:
+        """The conditional insert into ``table`` (values bound at execution,
+        so SQLAlchemy compiles it once): ``INSERT .. ON CONFLICT DO NOTHING``
+        (SQLite, PostgreSQL); ``INSERT .. ON DUPLICATE KEY UPDATE <first key
+        column> = <itself>`` (MySQL), a no-op on a duplicate."""
         if self.kind == "mysql":
             first = next(iter(table.primary_key.columns))
-            stmt: Any = (
-                mysql_sql.insert(table).values(row).on_duplicate_key_update({first.name: first})
-            )
-        else:
-            stmt = self._insert_ignoring_conflicts(table, [row])
-        result = conn.execute(stmt, execution_options={"preserve_rowcount": True})
+            return mysql_sql.insert(table).on_duplicate_key_update({first.name: first})
+        if self.kind == "postgresql":
+            return postgresql_sql.insert(table).on_conflict_do_nothing()
+        return sqlite_sql.insert(table).on_conflict_do_nothing()
+
+    def _insert_if_absent(self, conn: Connection, table: sa.Table, row: dict[str, Any]) -> bool:
+        """Insert ``row`` unless its primary key exists; whether it was, by
+        the affected-row count: 1 when inserted, 0 on a conflict (on MySQL,
+        only with ``CLIENT_FOUND_ROWS`` off, see :meth:`_check_found_rows`)."""
+        options = {"preserve_rowcount": True}
+        result = conn.execute(self._insert_absent(table), row, execution_options=options)
         return bool(result.rowcount == 1)
 
     def _upsert(self, table: sa.Table, row: dict[str, Any]) -> Any:
@@ -981,10 +1013,20 @@ class SQLBackend(Backend):
     # -- connections and errors ----------------------------------------------
 
     def _ensure_open(self) -> Engine:
+        if self._pid != os.getpid():
+            self._forget_parent_connections()
         if not self._ready:
             self.open()
         assert self._engine is not None
         return self._engine
+
+    def _forget_parent_connections(self) -> None:
+        """In a forked child: give our engine a fresh pool, leaving the
+        parent's connections (shared sockets) alone, as SQLAlchemy advises
+        for multiprocessing (``Engine.dispose(close=False)``)."""
+        if self._owns_engine and self._engine is not None:
+            self._engine.dispose(close=False)
+        self._pid = os.getpid()
 
     @contextmanager
     def _unavailable(self, what: str) -> Iterator[None]:
