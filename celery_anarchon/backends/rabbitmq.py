@@ -139,7 +139,13 @@ MIN_RABBITMQ = (3, 9)
 MAX_QUEUE_NAME_BYTES = 255
 #: Longest suffix after the job part: ``.slot.`` plus a 20-digit slot.
 _MAX_SUFFIX_BYTES = len(".slot.") + 20
-#: Fewest bytes the prefix must leave for the job part.
+#: A stream keeps its data in a directory named ``<vhost>_<queue>_<timestamp>``
+#: (a 19-20 digit timestamp), and a file name has at most 255 bytes on Linux
+#: file systems: a history stream named longer than that never confirms a
+#: record (seen on RabbitMQ 3.10: ``failed to get tail of member``).
+_STREAM_DIR_EXTRA_BYTES = 22
+_HISTORY_SUFFIX = ".history"
+#: Fewest bytes the prefix and vhost must leave for the job part.
 _MIN_JOB_PART_BYTES = 32
 #: Characters a job name may use as it is in a queue name.
 _PLAIN_JOB = re.compile(r"[A-Za-z0-9_-]+")
@@ -533,14 +539,13 @@ class RabbitMQBackend(Backend):
         slot_ttl: float | timedelta | str = 300,
         confirm_timeout: float | timedelta | str = 5,
     ) -> None:
-        self.instance = instance
+        super().__init__(url, client=client, instance=instance)
         self.prefix = prefix
         self.slot_ttl = _positive("slot_ttl", slot_ttl)
         self.confirm_timeout = _positive("confirm_timeout", confirm_timeout)
-        self._check_prefix(prefix)
-        self._url = url
         self._client_properties = {"connection_name": f"celery-anarchon {instance}"}
-        self._dial, self._where = self._dialer(url, client)
+        self._dial, self._where, vhost = self._dialer(url, client)
+        self._job_room = self._check_names(prefix, vhost)
         self._lock = threading.RLock()
         self._conn: amqp.Connection | None = None
         self._claim_channels: dict[int, _ConfirmChannel] = {}
@@ -582,23 +587,37 @@ class RabbitMQBackend(Backend):
             slot_ttl_s=self.slot_ttl if slot_ttl_s is None else slot_ttl_s,
         )
 
-    def _check_prefix(self, prefix: str) -> None:
+    @staticmethod
+    def _check_names(prefix: str, vhost: str) -> int:
+        """Bytes left for the job part of queue names under ``prefix`` in
+        ``vhost``: every gate name within 255 bytes, every history stream's
+        directory name (vhost, name, timestamp) too.
+
+        Raises:
+            ConfigurationError: a reserved prefix, or fewer than 32 bytes left.
+        """
         if prefix.startswith("amq."):
             raise ConfigurationError(
                 f"anarchon_backend_options: prefix {prefix!r} starts with 'amq.', which "
                 "RabbitMQ reserves for its own queues; choose another prefix (default 'cron.')."
             )
-        room = MAX_QUEUE_NAME_BYTES - len(prefix.encode("utf-8")) - _MAX_SUFFIX_BYTES
+        fixed = len(prefix.encode("utf-8"))
+        stream_extra = len(vhost.encode("utf-8")) + _STREAM_DIR_EXTRA_BYTES + len(_HISTORY_SUFFIX)
+        room = MAX_QUEUE_NAME_BYTES - fixed - max(_MAX_SUFFIX_BYTES, stream_extra)
         if room < _MIN_JOB_PART_BYTES:
             raise ConfigurationError(
-                f"anarchon_backend_options: prefix {prefix!r} is too long: queue names "
-                f"are limited to {MAX_QUEUE_NAME_BYTES} bytes and the prefix must leave "
-                f"{_MIN_JOB_PART_BYTES} bytes for the job; shorten it."
+                f"anarchon_backend_options: prefix {prefix!r} is too long for vhost "
+                f"{vhost!r}: queue names (and a stream's directory name, which holds the "
+                f"vhost too) are limited to {MAX_QUEUE_NAME_BYTES} bytes and must leave "
+                f"{_MIN_JOB_PART_BYTES} bytes for the job; shorten the prefix."
             )
+        return room
 
-    def _dialer(self, url: str | None, client: Any) -> tuple[Callable[[], amqp.Connection], str]:
-        """A function opening a new connection of our own, and where it goes
-        (credentials masked). Nothing connects here."""
+    def _dialer(
+        self, url: str | None, client: Any
+    ) -> tuple[Callable[[], amqp.Connection], str, str]:
+        """A function opening a new connection of our own, where it goes
+        (credentials masked) and its vhost. Nothing connects here."""
         if client is None:
             url = url or "amqp://localhost"
             kombu_conn = kombu.Connection(
@@ -606,11 +625,15 @@ class RabbitMQBackend(Backend):
                 connect_timeout=self.confirm_timeout,
                 transport_options={"client_properties": self._client_properties},
             )
-            return self._kombu_dialer(kombu_conn), sanitize_url(url)
+            dial = self._kombu_dialer(kombu_conn)
+            return dial, sanitize_url(url), str(kombu_conn.virtual_host or "/")
         if isinstance(client, kombu.Connection):
-            return self._kombu_dialer(self._clone(client)), sanitize_url(client.as_uri())
+            ours = self._clone(client)
+            dial = self._kombu_dialer(ours)
+            return dial, sanitize_url(client.as_uri()), str(ours.virtual_host or "/")
         if isinstance(client, amqp.Connection):
-            return self._amqp_dialer(client), f"amqp://{client.host}/{client.virtual_host}"
+            where = f"amqp://{client.host}/{client.virtual_host}"
+            return self._amqp_dialer(client), where, str(client.virtual_host)
         raise ConfigurationError(
             f"anarchon_backend: cannot use a {type(client).__name__} as a RabbitMQ "
             "connection; pass a kombu Connection or a py-amqp Connection."
@@ -673,7 +696,7 @@ class RabbitMQBackend(Backend):
         and 12 hex digits of ``sha256(job)`` (e.g. ``proj.tasks.add(1, 2)``
         -> ``proj_tasks_add_1_2_~<hash>``).
         """
-        room = MAX_QUEUE_NAME_BYTES - len(self.prefix.encode("utf-8")) - _MAX_SUFFIX_BYTES
+        room = self._job_room
         if _PLAIN_JOB.fullmatch(job) and len(job) <= room:
             return job
         digest = hashlib.sha256(job.encode("utf-8")).hexdigest()[:_JOB_HASH_HEX]
@@ -691,7 +714,7 @@ class RabbitMQBackend(Backend):
 
     def history_queue(self, job: str) -> str:
         """The job's history stream: ``<prefix><job>.history``."""
-        return f"{self.prefix}{self.job_part(job)}.history"
+        return f"{self.prefix}{self.job_part(job)}{_HISTORY_SUFFIX}"
 
     # -- connection ------------------------------------------------------
 
