@@ -147,6 +147,10 @@ class RunRecord:
     task_id: str | None = None
     error: str | None = None
     manual_key: str | None = None
+    #: When the run's current lease ends, epoch ms (backend clock); lease
+    #: backends only. A ``claimed`` or ``running`` run whose lease ended is
+    #: presumed dead (its owner or worker stopped).
+    lease_until_ms: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The record as plain JSON-ready values (state as its string)."""
@@ -163,6 +167,7 @@ class RunRecord:
             "task_id": self.task_id,
             "error": self.error,
             "manual_key": self.manual_key,
+            "lease_until_ms": self.lease_until_ms,
         }
 
 

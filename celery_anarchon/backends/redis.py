@@ -1046,6 +1046,7 @@ def _record(job: str, run: dict[str, Any]) -> RunRecord:
         task_id=run.get("task_id"),
         error=run.get("error"),
         manual_key=run.get("manual_key"),
+        lease_until_ms=ms("lease_until_ms"),
     )
 
 

@@ -1235,4 +1235,5 @@ def _record(job: str, row: Any) -> RunRecord:
         task_id=row.task_id,
         error=row.error,
         manual_key=row.manual_key,
+        lease_until_ms=row.lease_until_ms,
     )
