@@ -660,3 +660,19 @@ def test_fold_keeps_the_winner_and_drops_other_instances_lost_records() -> None:
     ]
     assert {r.manual_key for r in runs[:2]} == {"k1", "k2"}
     assert (runs[3].claimed_at_ms, runs[3].task_id) == (5, "t")
+
+
+def test_fold_moves_a_run_forward_only() -> None:
+    run = {"job": "j", "slot_ms": 1, "token": "a/1"}
+    records: list[dict[str, Any]] = [
+        {**run, "state": "claimed", "claimed_at_ms": 1},
+        {**run, "state": "running", "started_at_ms": 3},
+        {**run, "state": "sent", "sent_at_ms": 2, "task_id": "t"},  # late sent
+        {**run, "state": "running", "started_at_ms": 9},  # duplicate delivery
+        {**run, "state": "succeeded", "finished_at_ms": 4},
+        {**run, "state": "failed", "finished_at_ms": 5, "error": "late"},
+    ]
+    [folded] = fold_history(records)
+    assert folded.state is State.SUCCEEDED
+    assert (folded.sent_at_ms, folded.task_id) == (2, "t")
+    assert (folded.started_at_ms, folded.finished_at_ms, folded.error) == (3, 4, None)

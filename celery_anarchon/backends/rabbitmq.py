@@ -264,11 +264,16 @@ def fold_history(records: Iterable[Mapping[str, Any]]) -> list[RunRecord]:
 
     ``records`` are decoded stream messages in append order (fields of
     :meth:`RunRecord.as_dict`, empty ones left out). A run is one
-    ``(slot_ms, token)``; its fields are the latest non-empty value of each
-    field, its state the latest state. When a slot has a record written only
-    by the gate's winner (``claimed``, ``missed``, ``skipped``), records of
-    other tokens for that slot are dropped: they come from instances whose
-    confirm was lost but whose publish was in fact nacked.
+    ``(slot_ms, token)``. Its state only moves forward, as the contract's
+    ``mark`` does on lease backends (claimed, sent, running, then a finished
+    state): a record that would move it back, or out of a finished state,
+    is ignored, except that a late ``sent`` still fills in ``sent_at_ms``
+    and ``task_id``. Other fields take the latest non-empty value.
+
+    When a slot has a record written only by the gate's winner
+    (``claimed``, ``missed``, ``skipped``), records of other tokens for that
+    slot are dropped: they come from instances whose confirm was lost but
+    whose publish was in fact nacked.
 
     Returns:
         runs newest slot first (ties: newest claim first). Records that do
@@ -284,14 +289,39 @@ def fold_history(records: Iterable[Mapping[str, Any]]) -> list[RunRecord]:
         slot, token = r["slot_ms"], str(r.get("token"))
         if winners[slot] and token not in winners[slot]:
             continue
-        merged = runs.setdefault((slot, token), {})
-        merged.update({k: v for k, v in r.items() if v is not None})
+        _merge(runs.setdefault((slot, token), {}), r)
     folded = [_run_record(fields) for fields in runs.values()]
     folded.sort(key=lambda r: (r.slot_ms, r.claimed_at_ms or 0), reverse=True)
     return folded
 
 
 _RECORD_FIELDS = frozenset(RunRecord.__dataclass_fields__)
+
+#: How far along a run each state is (DESIGN section 5); finished states last.
+_STATE_RANK = {
+    State.CLAIMED: 0,
+    State.MISSED: 0,
+    State.SKIPPED: 0,
+    State.SENT: 1,
+    State.RUNNING: 2,
+    State.SUCCEEDED: 3,
+    State.FAILED: 3,
+    State.LOST: 3,
+    State.SUPERSEDED: 3,
+}
+_FINISHED_RANK = 3
+
+
+def _merge(run: dict[str, Any], record: Mapping[str, Any]) -> None:
+    """Fold one record into ``run`` (see :func:`fold_history`)."""
+    fields = {k: v for k, v in record.items() if v is not None}
+    if "state" in run:
+        now, new = _STATE_RANK[State(run["state"])], _STATE_RANK[State(fields["state"])]
+        if now == _FINISHED_RANK or new <= now:
+            if fields["state"] == State.SENT.value:
+                run.update({k: fields[k] for k in ("sent_at_ms", "task_id") if k in fields})
+            return
+    run.update(fields)
 
 
 def _valid_record(r: Mapping[str, Any]) -> bool:
