@@ -13,6 +13,7 @@ is never sent (DESIGN section 3).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import heapq
 import logging
@@ -32,7 +33,7 @@ from celery import beat
 
 from . import __version__
 from .backends import backend_from_url, scheme_of
-from .backends.base import Backend, Claim, ClaimRequest, InstanceInfo, State
+from .backends.base import Backend, Claim, ClaimRequest, InstanceInfo, RunRecord, State
 from .exceptions import BackendUnavailable, ConfigurationError
 from .metrics import Metrics, metrics_from_app
 from .settings import JobOptions, Settings
@@ -57,6 +58,15 @@ REGISTRY_TTL = 30.0
 BACKOFF_MIN = 1.0
 BACKOFF_MAX = 30.0
 
+#: Kinds of heap events: claim a job's next slot; check whether a lost
+#: slot's owner died (backup runner); claim a slot missed while every
+#: instance was down (catch-up).
+CLAIM, TAKE_OVER, CATCH_UP = 0, 1, 2
+
+#: How long a run that was sent but never started counts as in flight for
+#: ``overlap='skip'``, seconds (a worker backlog of up to an hour).
+SENT_IN_FLIGHT = 3600.0
+
 #: Longest a tick keeps taking rounds of due slots before returning, seconds.
 TICK_BUDGET = 1.0
 
@@ -74,6 +84,12 @@ def task_id_for(job: str, slot_ms: int) -> str:
 def manual_task_id(job: str, key: str) -> str:
     """The task id of a ``run_now`` of ``job`` under ``key``."""
     return str(uuid.uuid5(TASK_ID_NAMESPACE, f"{job}\x00manual\x00{key}"))
+
+
+def _weight(instance: str, key: bytes) -> int:
+    """Rendezvous weight of ``instance`` for a slot ``key``."""
+    digest = hashlib.blake2b(instance.encode() + key, digest_size=8).digest()
+    return int.from_bytes(digest, "big")
 
 
 def new_instance_id() -> str:
@@ -304,7 +320,14 @@ class Scheduler(beat.Scheduler):
         self._backend_ready = False
         self._settings: Settings | None = None
         self._jobs: dict[str, Job] = {}
-        self._events: list[tuple[int, int, str, int]] = []
+        #: heap of (due ms, sequence, kind, job name, slot ms)
+        self._events: list[tuple[int, int, int, str, int]] = []
+        #: live instance ids (this one included) from the registry
+        self._peers: list[str] = []
+        #: won claims not yet sent, released on shutdown (hand-over)
+        self._held: dict[tuple[str, int], Claim] = {}
+        #: (job, instance, definition) drift already warned about
+        self._drift_seen: set[tuple[str, str, str]] = set()
         self._seq = 0
         self._started_ms = 0
         self._next_heartbeat = 0.0
@@ -398,32 +421,127 @@ class Scheduler(beat.Scheduler):
             )
 
     def _plan_first_slots(self) -> None:
+        """Plan each job's first slot: the first after ``now - max_late``
+        (DESIGN section 2), after settling what happened while no instance
+        ran (:meth:`_settle_gap`)."""
         now_ms = self._now_ms()
         self._events = []
+        last_slots = self._last_slots() if self._backend_ready else {}
         for job in self._jobs.values():
             job.next_slot_ms = first_slot(job.slots, now_ms, _ms(job.options.max_late))
+            last = last_slots.get(job.name)
+            if last is not None and job.next_slot_ms is not None:
+                self._settle_gap(job, last, job.next_slot_ms, now_ms)
             self._push(job)
+
+    def _last_slots(self) -> dict[str, int]:
+        """``job -> newest scheduled slot the backend has a record of``
+        (lease backends; claim-only backends keep no such record)."""
+        backend = self._backend
+        assert backend is not None
+        if not backend.supports_leases:
+            return {}
+        found: dict[str, int] = {}
+        try:
+            for name in self._jobs:
+                for record in backend.history(name, limit=10):
+                    if record.manual_key is None:
+                        found[name] = record.slot_ms
+                        break
+        except BackendUnavailable as exc:
+            self._on_outage(exc)
+        return found
+
+    def _settle_gap(self, job: Job, last_ms: int, first_ms: int, now_ms: int) -> None:
+        """Slots after the backend's last record of ``job`` and before its
+        first slot now were never acted on: every instance was down. Inside
+        ``catch_up_window`` they are sent or recorded ``missed`` by the
+        job's catch-up policy (DESIGN section 4, "Catch-up"):
+
+        * ``none``: each is recorded ``missed`` (the newest ``history_size``);
+        * ``latest``: the newest is sent once, unless the first slot now is
+          already due (a newer run is being sent anyway); the rest missed;
+        * ``all``: the newest ``catch_up_limit`` are sent, oldest first; the
+          older rest missed.
+        """
+        o = job.options
+        window_start = now_ms - _ms(o.catch_up_window)
+        gap: list[int] = []
+        slot = job.slots.next_after(max(last_ms, window_start - 1))
+        bound = max(o.history_size, o.catch_up_limit)
+        while slot is not None and slot < first_ms:
+            gap.append(slot)
+            if len(gap) > 2 * bound:  # keep the newest only; bounded memory
+                del gap[:bound]
+            slot = job.slots.next_after(slot)
+        if not gap:
+            return
+        send: list[int] = []
+        if o.catch_up == "latest" and first_ms > now_ms:
+            send = gap[-1:]
+        elif o.catch_up == "all":
+            send = gap[-o.catch_up_limit :]
+        missed = [s for s in gap if s not in send][-o.history_size :]
+        recorded = sum(
+            self._record_if_absent(job, s, State.MISSED, "no instance ran (catch_up)")
+            for s in missed
+        )
+        if recorded:
+            self.metrics.missed(job.name, recorded)
+            logger.warning(
+                "anarchon: %d slot(s) of %s passed while no instance ran; recorded "
+                "as missed (catch_up=%r)",
+                recorded,
+                job.name,
+                o.catch_up,
+            )
+        for s in send:
+            self._push_event(now_ms, CATCH_UP, job.name, s)
 
     # -- the heap ----------------------------------------------------------
 
     def _push(self, job: Job) -> None:
-        """Schedule the claim of ``job``'s next slot at slot + a random delay
-        in ``[0, jitter]`` (never slept in the tick)."""
-        if job.next_slot_ms is None:
-            return
-        delay_ms = int(self._random.uniform(0, job.options.jitter) * 1000)
-        self._seq += 1
-        heapq.heappush(
-            self._events, (job.next_slot_ms + delay_ms, self._seq, job.name, job.next_slot_ms)
-        )
+        """Schedule the claim of ``job``'s next slot (never slept in the
+        tick): at the slot when this instance is the slot's preferred owner,
+        else after a delay in ``[0, jitter]``."""
+        if job.next_slot_ms is not None:
+            slot = job.next_slot_ms
+            self._push_event(slot + self._claim_delay_ms(job, slot), CLAIM, job.name, slot)
 
-    def _pop_due(self, now_ms: int) -> list[tuple[Job, int]]:
+    def _push_event(self, due_ms: int, kind: int, name: str, slot_ms: int) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (due_ms, self._seq, kind, name, slot_ms))
+
+    def _claim_delay_ms(self, job: Job, slot_ms: int) -> int:
+        """The claim delay of ``slot_ms`` for this instance, milliseconds.
+
+        With a registry of live instances (lease backends), the slot's
+        preferred owner by rendezvous hashing claims at once and every other
+        instance, a backup, after the full jitter: a burst is spread evenly
+        and lateness stays near zero. Without one, a random delay in
+        ``[0, jitter]`` per instance and slot.
+        """
+        jitter_ms = _ms(job.options.jitter)
+        if len(self._peers) > 1:
+            return 0 if self._rank(job.name, slot_ms) == 0 else jitter_ms
+        return self._random.randint(0, jitter_ms) if jitter_ms else 0
+
+    def _rank(self, job: str, slot_ms: int) -> int:
+        """This instance's place in the slot's rendezvous order (0 = preferred)."""
+        key = f"\x00{job}\x00{slot_ms}".encode()
+        mine = _weight(self.instance_id, key)
+        return sum(1 for peer in self._peers if _weight(peer, key) > mine)
+
+    def _pop_due(self, now_ms: int) -> list[tuple[int, Job, int]]:
         due = []
         while self._events and self._events[0][0] <= now_ms:
-            _, _, name, slot_ms = heapq.heappop(self._events)
+            _, _, kind, name, slot_ms = heapq.heappop(self._events)
             job = self._jobs.get(name)
-            if job is not None and job.next_slot_ms == slot_ms:
-                due.append((job, slot_ms))
+            if job is None:
+                continue
+            if kind == CLAIM and job.next_slot_ms != slot_ms:
+                continue  # stale: the job moved on
+            due.append((kind, job, slot_ms))
         return due
 
     def _advance(self, job: Job, slot_ms: int) -> None:
@@ -464,33 +582,57 @@ class Scheduler(beat.Scheduler):
             wait = min(wait, max((self._events[0][0] - self._now_ms()) / 1000.0, 0.0))
         return wait
 
-    def _process(self, due: Sequence[tuple[Job, int]]) -> None:
+    def _process(self, due: Sequence[tuple[int, Job, int]]) -> None:
+        """Act on one round of due events: record misses, claim the rest in
+        one batch, take over expired leases, send what was won."""
         assert self._settings is not None
         now_ms = self._now_ms()
-        to_claim: list[tuple[Job, int]] = []
-        for job, slot_ms in due:
-            if now_ms > slot_ms + _ms(job.options.max_late):
+        to_claim: list[tuple[Job, int, bool]] = []
+        for kind, job, slot_ms in due:
+            if kind == TAKE_OVER:
+                self._take_over(job, slot_ms, now_ms)
+            elif kind == CATCH_UP:
+                to_claim.append((job, slot_ms, True))
+            elif now_ms > slot_ms + _ms(job.options.max_late):
                 self._record_missed(job, slot_ms, now_ms)
             else:
-                to_claim.append((job, slot_ms))
                 self._advance(job, slot_ms)
-        if to_claim:
-            for (job, _), claim in zip(to_claim, self._claim(to_claim), strict=True):
-                if claim.won:
-                    self._send(job, claim)
-                else:
-                    self.metrics.lost(job.name)
-                    logger.debug(
-                        "anarchon: lost %s @ %s (%s)", job.name, _iso(claim.slot_ms), claim.reason
-                    )
+                if job.options.overlap == "skip" and self._skip_for_overlap(job, slot_ms):
+                    continue
+                to_claim.append((job, slot_ms, False))
+        if not to_claim:
+            return
+        claims = self._claim([(job, slot, catch_up) for job, slot, catch_up in to_claim])
+        claimed_at = self._clock()
+        # Held until sent: a shutdown in the middle of this batch releases
+        # the rest (hand-over) instead of leaving them to lease expiry.
+        self._held.update({(c.job, c.slot_ms): c for c in claims if c.won})
+        for (job, _, _), claim in zip(to_claim, claims, strict=True):
+            if claim.won:
+                self._send(job, claim, claimed_at)
+            else:
+                self.metrics.lost(job.name)
+                logger.debug(
+                    "anarchon: lost %s @ %s (%s)", job.name, _iso(claim.slot_ms), claim.reason
+                )
+                if claim.reason == "taken":
+                    self._plan_take_over(job, claim.slot_ms, now_ms)
 
-    def _claim(self, due: Sequence[tuple[Job, int]]) -> list[Claim]:
+    def _claim(self, due: Sequence[tuple[Job, int, bool]]) -> list[Claim]:
+        """Claim a batch; ``(job, slot, catch_up)`` each. Never raises:
+        anything but a clear answer counts as lost."""
         assert self._settings is not None
-        lost = [Claim(job.name, slot_ms, won=False, reason="unknown") for job, slot_ms in due]
+        lost = [Claim(job.name, slot_ms, won=False, reason="unknown") for job, slot_ms, _ in due]
         if not self._backend_ready or self._backend is None:
             self._outage_lost += len(due)
             return lost
-        requests = [job.claim_request(slot_ms, self._settings.max_skew) for job, slot_ms in due]
+        now_ms = self._now_ms()
+        requests = [
+            self._catch_up_request(job, slot_ms, now_ms)
+            if catch_up
+            else job.claim_request(slot_ms, self._settings.max_skew)
+            for job, slot_ms, catch_up in due
+        ]
         started = time.perf_counter()
         try:
             claims = self._backend.claim(requests)
@@ -509,8 +651,132 @@ class Scheduler(beat.Scheduler):
             return lost
         return claims
 
-    def _send(self, job: Job, claim: Claim) -> None:
+    def _catch_up_request(self, job: Job, slot_ms: int, now_ms: int) -> ClaimRequest:
+        """A claim request for a catch-up slot: its window reaches back to it."""
+        assert self._settings is not None
+        request = job.claim_request(slot_ms, self._settings.max_skew)
+        back_ms = now_ms - slot_ms + request.window_before_ms
+        keep_ms = now_ms + request.keep_until_ms - slot_ms
+        return dataclasses.replace(request, window_before_ms=back_ms, keep_until_ms=keep_ms)
+
+    # -- backup runners ----------------------------------------------------
+
+    def _plan_take_over(self, job: Job, slot_ms: int, now_ms: int) -> None:
+        """After losing ``slot_ms``, plan to check it once the winner's lease
+        ends: if the winner died before recording its send, this instance
+        takes the slot over. Only the first backup in the slot's rendezvous
+        order checks when a registry is known, so a healthy cluster spends
+        one check per slot, not one per instance."""
+        backend = self._backend
+        if backend is None or not backend.supports_leases:
+            return
+        if len(self._peers) > 1 and self._rank(job.name, slot_ms) != 1:
+            return
+        lease_ms = _ms(job.options.lease_ttl)
+        if now_ms + lease_ms > slot_ms + _ms(job.options.max_late):
+            return  # the lease outlives max_late: a take-over would be late anyway
+        delay_ms = self._random.randint(0, _ms(job.options.jitter) or 1)
+        self._push_event(now_ms + lease_ms + delay_ms, TAKE_OVER, job.name, slot_ms)
+
+    def _take_over(self, job: Job, slot_ms: int, now_ms: int) -> None:
+        assert self._settings is not None and self._backend is not None
+        if not self._backend_ready or now_ms > slot_ms + _ms(job.options.max_late):
+            return
+        try:
+            claim = self._backend.take_over(job.claim_request(slot_ms, self._settings.max_skew))
+        except BackendUnavailable as exc:
+            self._on_outage(exc)
+            return
+        except Exception:
+            logger.exception("anarchon: take-over of %s failed", job.name)
+            return
+        if claim.won:
+            self.metrics.superseded(job.name)
+            logger.warning(
+                "anarchon: took %s @ %s over from an owner whose lease ended (token %s)",
+                job.name,
+                _iso(slot_ms),
+                claim.token,
+            )
+            self._send(job, claim, self._clock())
+
+    # -- overlap protection ------------------------------------------------
+
+    def _skip_for_overlap(self, job: Job, slot_ms: int) -> bool:
+        """With ``overlap='skip'``: True (and ``slot_ms`` recorded
+        ``skipped``) while the job's previous run is in flight.
+
+        In flight: claimed with a live lease; sent and not started for less
+        than :data:`SENT_IN_FLIGHT` seconds; running with a live lease (the
+        worker integration extends it). A running run whose lease ended is
+        recorded ``lost`` (its worker died) and frees the job.
+        """
+        backend = self._backend
+        if backend is None or not self._backend_ready:
+            return False
+        try:
+            previous = next(
+                (r for r in backend.history(job.name, limit=5) if r.slot_ms < slot_ms), None
+            )
+        except BackendUnavailable as exc:
+            self._on_outage(exc)
+            return False
+        if previous is None or not self._in_flight(previous, job):
+            return False
+        if self._record_if_absent(job, slot_ms, State.SKIPPED, f"previous run {previous.state}"):
+            self.metrics.skipped(job.name)
+            logger.warning(
+                "anarchon: skipped %s @ %s: the run of %s is still %s (overlap='skip')",
+                job.name,
+                _iso(slot_ms),
+                _iso(previous.slot_ms),
+                previous.state,
+            )
+        return True
+
+    def _in_flight(self, run: RunRecord, job: Job) -> bool:
+        now_ms = self._now_ms()
+        lease_alive = run.lease_until_ms is None or run.lease_until_ms > now_ms
+        if run.state is State.CLAIMED:
+            return lease_alive
+        if run.state is State.SENT:
+            return (run.sent_at_ms or 0) + _ms(SENT_IN_FLIGHT) > now_ms
+        if run.state is State.RUNNING:
+            if lease_alive:
+                return True
+            assert self._backend is not None
+            token = run.token if isinstance(run.token, int) else None
+            dead = Claim(run.job, run.slot_ms, won=True, token=token)
+            if self._mark(dead, State.LOST, error="worker lease expired while running"):
+                logger.warning(
+                    "anarchon: run of %s @ %s was running but its lease ended: recorded lost",
+                    job.name,
+                    _iso(run.slot_ms),
+                )
+            return False
+        return False
+
+    # -- sending -----------------------------------------------------------
+
+    def _send(self, job: Job, claim: Claim, claimed_at: float) -> None:
+        """Send a won slot; record ``sent`` (or ``lost`` when the send fails).
+
+        A claim held for more than half its lease (this process was frozen
+        or slow) is checked against the backend before publishing: if its
+        fencing token is no longer current, another instance took the slot
+        over and nothing is sent.
+        """
+        lease_s = job.options.lease_ttl
+        if self._clock() - claimed_at > lease_s / 2 and not self._still_holds(claim):
+            self._held.pop((job.name, claim.slot_ms), None)
+            logger.warning(
+                "anarchon: %s @ %s was taken over while this instance stalled; not sent",
+                job.name,
+                _iso(claim.slot_ms),
+            )
+            return
         task_id = task_id_for(job.name, claim.slot_ms)
+        self._held[(job.name, claim.slot_ms)] = claim
         try:
             send_slot(
                 self.app,
@@ -528,9 +794,11 @@ class Scheduler(beat.Scheduler):
                 _iso(claim.slot_ms),
                 exc,
             )
+            self._held.pop((job.name, claim.slot_ms), None)
             self._mark(claim, State.LOST, task_id=task_id, error=f"send failed: {exc!r}")
             self.metrics.send_failed(job.name)
             return
+        self._held.pop((job.name, claim.slot_ms), None)
         self.metrics.won(job.name, self._clock() - claim.slot_ms / 1000)
         logger.info(
             "anarchon: sent %s @ %s (task %s, id %s)",
@@ -546,6 +814,18 @@ class Scheduler(beat.Scheduler):
                 job.name,
                 _iso(claim.slot_ms),
             )
+
+    def _still_holds(self, claim: Claim) -> bool:
+        """True when ``claim``'s token is still the slot's current one."""
+        if self._backend is None or not self._backend.supports_leases:
+            return True
+        try:
+            for record in self._backend.history(claim.job):
+                if record.slot_ms == claim.slot_ms and record.manual_key is None:
+                    return record.token == claim.token and record.state is State.CLAIMED
+        except BackendUnavailable as exc:
+            self._on_outage(exc)
+        return False
 
     def _mark(self, claim: Claim, state: State, **fields: Any) -> bool:
         if self._backend is None:
@@ -658,14 +938,47 @@ class Scheduler(beat.Scheduler):
         self._backoff = BACKOFF_MIN
 
     def _heartbeat(self, now: float) -> None:
+        """Refresh this instance in the registry, read the live instances
+        (for rendezvous preference) and warn about definition drift."""
         assert self._backend is not None
         self._next_heartbeat = now + HEARTBEAT_INTERVAL
+        if not self._backend.supports_leases:
+            return
         try:
             self._backend.register(self.instance_info(), _ms(REGISTRY_TTL))
+            live = self._backend.instances()
         except BackendUnavailable as exc:
             self._on_outage(exc)
+            return
         except Exception:
             logger.exception("anarchon: registry heartbeat failed")
+            return
+        self._peers = sorted({info.instance for info in live} | {self.instance_id})
+        self._warn_drift(live)
+
+    def _warn_drift(self, live: Sequence[InstanceInfo]) -> None:
+        """Warn once per job and instance whose definition differs from ours.
+
+        Meanwhile each definition's slots are claimed on their own keys only
+        when the slot times differ; where they agree, one claim still wins.
+        """
+        mine = self.instance_info()
+        for other in live:
+            if other.instance == self.instance_id or other.fingerprint == mine.fingerprint:
+                continue
+            for name, theirs in other.jobs.items():
+                ours = mine.jobs.get(name)
+                if ours is None or ours == theirs:
+                    continue
+                seen = (name, other.instance, theirs)
+                if seen not in self._drift_seen:
+                    self._drift_seen.add(seen)
+                    logger.warning(
+                        "anarchon: job %s is defined differently on instance %s (a rolling "
+                        "deploy?); slots both definitions share are still claimed once",
+                        name,
+                        other.instance,
+                    )
 
     def instance_info(self) -> InstanceInfo:
         """This instance as the registry keeps it."""
@@ -700,6 +1013,7 @@ class Scheduler(beat.Scheduler):
             self._closed = True
             backend = self._backend
             if backend is not None and self._backend_ready:
+                self._hand_over(backend)
                 try:
                     backend.unregister(self.instance_id)
                 except Exception as exc:
@@ -712,6 +1026,17 @@ class Scheduler(beat.Scheduler):
             self._backend_ready = False
             self.metrics.close()
         super().close()
+
+    def _hand_over(self, backend: Backend) -> None:
+        """Release won claims not yet sent, so another instance takes them at
+        once instead of after the lease (graceful shutdown)."""
+        held, self._held = list(self._held.values()), {}
+        if held:
+            try:
+                backend.release(held)
+                logger.info("anarchon: handed %d unsent slot(s) over on shutdown", len(held))
+            except Exception as exc:
+                logger.warning("anarchon: could not hand %d slot(s) over: %r", len(held), exc)
 
     @property
     def info(self) -> str:

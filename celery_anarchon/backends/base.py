@@ -320,6 +320,23 @@ class Backend(abc.ABC):
             BackendUnavailable: no answer.
         """
 
+    def take_over(self, request: ClaimRequest) -> Claim:
+        """Take a slot over from an owner whose lease ended (backup runner).
+
+        Atomic on the backend: only a scheduled run still ``claimed`` whose
+        ``lease_until_ms`` is before the backend's now is taken; its record
+        becomes ``superseded`` and this instance holds the slot with the next
+        fencing token. Inside the claim window only. A slot with no record is
+        claimed as by :meth:`claim`. Claim-only backends never take over.
+
+        Returns:
+            won with the new token, or lost (``"taken"``: sent, lease still
+            running, or another backup was first; ``"window"``).
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        return Claim(request.job, request.slot_ms, won=False, reason="taken")
+
     def release(self, claims: Sequence[Claim]) -> None:  # noqa: B027
         """Give back won claims that were not sent (hand-over on shutdown),
         so another instance can claim them at once. Fenced by token; a claim
