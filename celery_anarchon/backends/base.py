@@ -8,6 +8,7 @@ contract is small and each call is atomic on the backend:
 * :meth:`Backend.mark` -- move a claimed run to a later state (``sent``,
   ``running``, ``succeeded``, ``failed``, ``lost``), checked against the
   claim's fencing token;
+* :meth:`Backend.extend` -- heartbeat a running run's lease (worker);
 * :meth:`Backend.record_if_absent` -- write ``missed`` or ``skipped`` for a
   slot nobody acted on;
 * :meth:`Backend.release` -- give back claimed, unsent slots (hand-over);
@@ -296,6 +297,27 @@ class Backend(abc.ABC):
         Raises:
             BackendUnavailable: no answer.
         """
+
+    def extend(self, claim: Claim, lease_ms: int, *, restart: bool = False) -> bool:
+        """Extend the lease of a running run (the worker's heartbeat), fenced
+        by ``claim.token``: ``lease_until_ms`` becomes the backend's now plus
+        ``lease_ms`` (milliseconds), only while the run is ``running``.
+
+        With ``restart=True`` the call is the start gate of a redelivered
+        message (``acks_late``) whose run is recorded ``running``: it writes
+        only when that lease has already expired by the backend's clock (the
+        worker that started the run stopped heartbeating: it died), and sets
+        ``started_at_ms`` to now as well. Two redeliveries racing: one wins.
+
+        Returns:
+            True when written. False when the slot's current record does not
+            carry the token, is not ``running``, or (``restart``) its lease
+            has not expired. Claim-only backends keep no lease: a heartbeat
+            returns True, a restart False.
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        return not restart
 
     @abc.abstractmethod
     def record_if_absent(

@@ -228,9 +228,12 @@ return token
 # ARGV[5] - task id ('' to leave as is)
 # ARGV[6] - error ('' to leave as is)
 # return 1 when written, 0 when the slot's current record does not carry
-# this token (taken over, released, or trimmed away).
-# A state never moves backwards (claimed < sent < running < finished): a late
-# 'sent' after the worker's 'succeeded' sets sent_at_ms and keeps 'succeeded'.
+# this token (taken over, released, or trimmed away), or the move is not
+# forward: nothing is written then.
+# A state only moves forward (claimed < sent < running < finished), so a
+# second 'running' (a duplicate delivery: the worker's start gate) or any
+# mark out of a finished state returns 0; a late 'sent' after the worker's
+# 'succeeded' still sets sent_at_ms and the task id, and keeps 'succeeded'.
 LUA_MARK_SCRIPT = """
 local RANK = {claimed = 0, sent = 1, running = 2}
 local raw = redis.call('HGET', KEYS[1], ARGV[1])
@@ -241,7 +244,11 @@ local run = cjson.decode(raw)
 if run.state == 'superseded' or run.token == nil or int(run.token) ~= ARGV[2] then
     return 0
 end
-if (RANK[ARGV[3]] or 3) >= (RANK[run.state] or 3) then
+local from, to = RANK[run.state] or 3, RANK[ARGV[3]] or 3
+if ARGV[3] ~= 'sent' and to <= from then
+    return 0
+end
+if to > from then
     run.state = ARGV[3]
 end
 if ARGV[4] ~= '' then
@@ -253,6 +260,37 @@ end
 if ARGV[6] ~= '' then
     run.error = ARGV[6]
 end
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(run))
+return 1
+"""
+
+# Extend a running run's lease (worker heartbeat), fenced by its token; or
+# restart a running run whose lease expired (acks_late redelivery).
+# KEYS[1] - history records  {PJ}:runs
+# ARGV[1] - slot_ms
+# ARGV[2] - fencing token (decimal string)
+# ARGV[3] - lease_ms
+# ARGV[4] - '1' to restart (only when the lease has expired), '' otherwise
+# return 1 when written (lease_until_ms = server now + lease_ms; on restart
+# started_at_ms = now too), 0 when the record is not 'running' with this
+# token, or (restart) its lease has not expired.
+LUA_EXTEND_SCRIPT = """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw then
+    return 0
+end
+local run = cjson.decode(raw)
+if run.state ~= 'running' or run.token == nil or int(run.token) ~= ARGV[2] then
+    return 0
+end
+local now = now_ms()
+if ARGV[4] == '1' then
+    if (run.lease_until_ms or 0) > now then
+        return 0
+    end
+    run.started_at_ms = now
+end
+run.lease_until_ms = now + tonumber(ARGV[3])
 redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(run))
 return 1
 """
@@ -416,12 +454,13 @@ def _script(name: str, body: str) -> _Script:
 CLAIM = _script("claim", LUA_CLAIM_SCRIPT)
 TAKE_OVER = _script("take_over", LUA_TAKE_OVER_SCRIPT)
 MARK = _script("mark", LUA_MARK_SCRIPT)
+EXTEND = _script("extend", LUA_EXTEND_SCRIPT)
 RECORD = _script("record_if_absent", LUA_RECORD_SCRIPT)
 RELEASE = _script("release", LUA_RELEASE_SCRIPT)
 MANUAL = _script("claim_manual", LUA_MANUAL_SCRIPT)
 HISTORY = _script("history", LUA_HISTORY_SCRIPT)
 REGISTER = _script("register", LUA_REGISTER_SCRIPT)
-SCRIPTS = (CLAIM, TAKE_OVER, MARK, RECORD, RELEASE, MANUAL, HISTORY, REGISTER)
+SCRIPTS = (CLAIM, TAKE_OVER, MARK, EXTEND, RECORD, RELEASE, MANUAL, HISTORY, REGISTER)
 
 #: The history timestamp each state sets.
 _STAMP = {
@@ -660,14 +699,17 @@ class RedisBackend(Backend):
         """Move a run to ``state`` with :data:`LUA_MARK_SCRIPT`, fenced by
         ``claim.token``; the state's timestamp is the server's now.
 
-        A state never moves backwards (``claimed`` < ``sent`` < ``running``
-        < ``succeeded``/``failed``/``lost``): a late ``sent`` after the
-        worker's ``succeeded`` records ``sent_at_ms`` and keeps
-        ``succeeded``. Empty ``task_id``/``error`` strings count as not given.
+        A state only moves forward (``claimed`` < ``sent`` < ``running``
+        < ``succeeded``/``failed``/``lost``), so ``mark(claim, RUNNING)`` is
+        the worker's start gate: True once, False for a duplicate delivery.
+        A late ``sent`` after the worker's ``succeeded`` records
+        ``sent_at_ms`` and keeps ``succeeded``. Empty ``task_id``/``error``
+        strings count as not given.
 
         Returns:
             False when the slot's current record does not carry the token
-            (taken over, released, trimmed away, or ``claim.token`` is None).
+            (taken over, released, trimmed away, or ``claim.token`` is None),
+            or the move is not forward; nothing is written then.
         Raises:
             BackendUnavailable: no answer.
         """
@@ -684,6 +726,20 @@ class RedisBackend(Backend):
             error or "",
         ]
         return bool(self._call((MARK, keys, args)))
+
+    def extend(self, claim: Claim, lease_ms: int, *, restart: bool = False) -> bool:
+        """Extend a running run's lease to the server's now plus ``lease_ms``
+        (milliseconds), or restart it once its lease expired, with
+        :data:`LUA_EXTEND_SCRIPT`, fenced by ``claim.token``
+        (see :meth:`Backend.extend`).
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        if claim.token is None:
+            return False
+        args = [claim.slot_ms, str(claim.token), int(lease_ms), "1" if restart else ""]
+        return bool(self._call((EXTEND, [self._runs_key(claim.job)], args)))
 
     def record_if_absent(
         self,

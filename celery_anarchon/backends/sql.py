@@ -742,6 +742,44 @@ class SQLBackend(Backend):
             values["error"] = _clean(error)
         return values
 
+    def extend(self, claim: Claim, lease_ms: int, *, restart: bool = False) -> bool:
+        """Extend a running run's lease (the worker's heartbeat) with one
+        fenced ``UPDATE .. SET lease_until_ms = <now> + lease_ms WHERE job,
+        slot_ms, token = claim.token AND state = 'running'``; ``lease_ms`` in
+        milliseconds, ``<now>`` the database clock.
+
+        ``restart=True`` adds ``AND lease_until_ms < <now>`` and sets
+        ``started_at_ms = <now>``: an ``acks_late`` redelivery takes over a
+        run whose worker stopped heartbeating (see :meth:`Backend.extend`).
+        Concurrent calls queue on the row lock; one restart wins.
+
+        Returns:
+            True when one row was written, else False.
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        if not claim.won or not isinstance(claim.token, int):
+            return False
+        runs = self._tables.runs
+        now = self._now_expr()
+        fenced = [
+            runs.c.job == key_of(claim.job),
+            runs.c.slot_ms == claim.slot_ms,
+            runs.c.token == claim.token,
+            runs.c.state == State.RUNNING.value,
+        ]
+        values: dict[str, Any] = {"lease_until_ms": now + int(lease_ms)}
+        if restart:
+            fenced.append(sa.or_(runs.c.lease_until_ms.is_(None), runs.c.lease_until_ms < now))
+            values["started_at_ms"] = now
+        with self._write("extend") as conn:
+            changed = conn.execute(sa.update(runs).where(*fenced).values(values)).rowcount
+            if changed == 0 and self.kind == "mysql" and not restart:
+                # MySQL counts changed rows: a heartbeat repeated in the same
+                # millisecond changes none.
+                changed = len(conn.execute(sa.select(runs.c.token).where(*fenced)).all())
+        return changed == 1
+
     def record_if_absent(
         self,
         job: str,
