@@ -36,7 +36,7 @@ from .backends import backend_from_url, scheme_of
 from .backends.base import Backend, Claim, ClaimRequest, InstanceInfo, RunRecord, State
 from .exceptions import BackendUnavailable, ConfigurationError
 from .metrics import Metrics, metrics_from_app
-from .settings import JobOptions, Settings
+from .settings import JobOptions, Settings, seconds
 from .slots import Slots, cron, definition, first_slot, oneoff, slots_for
 
 __all__ = ["Entry", "Job", "Scheduler", "build_jobs", "send_slot", "task_id_for"]
@@ -50,7 +50,8 @@ TASK_ID_NAMESPACE = uuid.UUID("6b3f4a52-2d0e-4c1e-9a55-0d1f3c7e8a90")
 #: could still try it, milliseconds.
 KEEP_MARGIN_MS = 60_000
 
-#: Registry heartbeat period and time-to-live, seconds.
+#: Registry heartbeat period and default time-to-live, seconds (the TTL is
+#: the ``anarchon_registry_ttl`` setting, see :func:`registry_ttl`).
 HEARTBEAT_INTERVAL = 5.0
 REGISTRY_TTL = 30.0
 
@@ -66,6 +67,9 @@ CLAIM, TAKE_OVER, CATCH_UP = 0, 1, 2
 #: How long a run that was sent but never started counts as in flight for
 #: ``overlap='skip'``, seconds (a worker backlog of up to an hour).
 SENT_IN_FLIGHT = 3600.0
+
+#: Records of slots that were never run (skipped by policy or missed).
+NOT_RUN = frozenset({State.MISSED, State.SKIPPED})
 
 #: Longest a tick keeps taking rounds of due slots before returning, seconds.
 TICK_BUDGET = 1.0
@@ -95,6 +99,25 @@ def _weight(instance: str, key: bytes) -> int:
 def new_instance_id() -> str:
     """``host:pid:random``, unique per scheduler process."""
     return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+def registry_ttl(conf: Any) -> float:
+    """``anarchon_registry_ttl``, seconds (default :data:`REGISTRY_TTL`): an
+    instance killed without a graceful shutdown drops out of the registry
+    this long after its last heartbeat.
+
+    Raises:
+        ConfigurationError: not a duration, or below two heartbeat periods
+            (a live instance would blink out between heartbeats).
+    """
+    value = conf.get("anarchon_registry_ttl")
+    ttl = REGISTRY_TTL if value is None else seconds(value, setting="anarchon_registry_ttl")
+    if ttl < 2 * HEARTBEAT_INTERVAL:
+        raise ConfigurationError(
+            f"anarchon_registry_ttl ({ttl:g}s) must be at least {2 * HEARTBEAT_INTERVAL:g}s, "
+            f"two heartbeat periods of {HEARTBEAT_INTERVAL:g}s; raise it."
+        )
+    return ttl
 
 
 class Entry(beat.ScheduleEntry):
@@ -326,6 +349,8 @@ class Scheduler(beat.Scheduler):
         self._peers: list[str] = []
         #: won claims not yet sent, released on shutdown (hand-over)
         self._held: dict[tuple[str, int], Claim] = {}
+        #: slots lost to another owner and due a take-over check: (job, slot)
+        self._take_over_due: set[tuple[str, int]] = set()
         #: (job, instance, definition) drift already warned about
         self._drift_seen: set[tuple[str, str, str]] = set()
         self._seq = 0
@@ -363,6 +388,7 @@ class Scheduler(beat.Scheduler):
             self._check_backend_supports(job)
         self._warn_if_local_only()
         self.metrics = metrics_from_app(self.app)
+        registry_ttl(self.app.conf)  # a bad anarchon_registry_ttl fails here, at start-up
         self._started_ms = self._now_ms()
         self._connect()
         self._plan_first_slots()
@@ -496,7 +522,7 @@ class Scheduler(beat.Scheduler):
                 o.catch_up,
             )
         for s in send:
-            self._push_event(now_ms, CATCH_UP, job.name, s)
+            self._push_event(s, CATCH_UP, job.name, s)  # oldest first, before the rest
 
     # -- the heap ----------------------------------------------------------
 
@@ -677,10 +703,21 @@ class Scheduler(beat.Scheduler):
             return  # the lease outlives max_late: a take-over would be late anyway
         delay_ms = self._random.randint(0, _ms(job.options.jitter) or 1)
         self._push_event(now_ms + lease_ms + delay_ms, TAKE_OVER, job.name, slot_ms)
+        self._take_over_due.add((job.name, slot_ms))
+
+    def _check_take_overs_now(self) -> None:
+        """An instance left the registry (hand-over on shutdown): check the
+        slots this instance backs up at once instead of at lease expiry."""
+        now_ms = self._now_ms()
+        for name, slot_ms in self._take_over_due:
+            self._push_event(now_ms, TAKE_OVER, name, slot_ms)
 
     def _take_over(self, job: Job, slot_ms: int, now_ms: int) -> None:
         assert self._settings is not None and self._backend is not None
-        if not self._backend_ready or now_ms > slot_ms + _ms(job.options.max_late):
+        if now_ms > slot_ms + _ms(job.options.max_late):
+            self._take_over_due.discard((job.name, slot_ms))
+            return
+        if not self._backend_ready:
             return
         try:
             claim = self._backend.take_over(job.claim_request(slot_ms, self._settings.max_skew))
@@ -690,6 +727,7 @@ class Scheduler(beat.Scheduler):
         except Exception:
             logger.exception("anarchon: take-over of %s failed", job.name)
             return
+        self._take_over_due.discard((job.name, slot_ms))
         if claim.won:
             self.metrics.superseded(job.name)
             logger.warning(
@@ -715,12 +753,12 @@ class Scheduler(beat.Scheduler):
         if backend is None or not self._backend_ready:
             return False
         try:
-            previous = next(
-                (r for r in backend.history(job.name, limit=5) if r.slot_ms < slot_ms), None
-            )
+            history = backend.history(job.name, limit=job.options.history_size)
         except BackendUnavailable as exc:
             self._on_outage(exc)
             return False
+        runs = (r for r in history if r.slot_ms < slot_ms and r.state not in NOT_RUN)
+        previous = next(runs, None)
         if previous is None or not self._in_flight(previous, job):
             return False
         if self._record_if_absent(job, slot_ms, State.SKIPPED, f"previous run {previous.state}"):
@@ -766,6 +804,9 @@ class Scheduler(beat.Scheduler):
         fencing token is no longer current, another instance took the slot
         over and nothing is sent.
         """
+        assert self._settings is not None
+        if self._settings.test_send_delay:  # fault injection, tests only
+            time.sleep(self._settings.test_send_delay)
         lease_s = job.options.lease_ttl
         if self._clock() - claimed_at > lease_s / 2 and not self._still_holds(claim):
             self._held.pop((job.name, claim.slot_ms), None)
@@ -945,7 +986,7 @@ class Scheduler(beat.Scheduler):
         if not self._backend.supports_leases:
             return
         try:
-            self._backend.register(self.instance_info(), _ms(REGISTRY_TTL))
+            self._backend.register(self.instance_info(), _ms(registry_ttl(self.app.conf)))
             live = self._backend.instances()
         except BackendUnavailable as exc:
             self._on_outage(exc)
@@ -953,7 +994,10 @@ class Scheduler(beat.Scheduler):
         except Exception:
             logger.exception("anarchon: registry heartbeat failed")
             return
-        self._peers = sorted({info.instance for info in live} | {self.instance_id})
+        peers = sorted({info.instance for info in live} | {self.instance_id})
+        if set(self._peers) - set(peers):
+            self._check_take_overs_now()
+        self._peers = peers
         self._warn_drift(live)
 
     def _warn_drift(self, live: Sequence[InstanceInfo]) -> None:
@@ -994,6 +1038,7 @@ class Scheduler(beat.Scheduler):
             version=__version__,
             started_ms=self._started_ms,
             heartbeat_ms=self._now_ms(),
+            clock_ms=self._now_ms(),
             fingerprint=fingerprint,
             jobs=jobs,
         )

@@ -38,6 +38,7 @@ JOB_KEYS = frozenset(
         "catch_up_limit",
         "anchor",
         "lease_ttl",
+        "expires",
     }
 )
 
@@ -103,6 +104,9 @@ class JobOptions:
         catch_up_limit: most slots one catch-up sends.
         lease_ttl: lease length, seconds.
         anchor_ms: anchor of interval schedules, epoch milliseconds (UTC).
+        expires: message expiry of each run: None (never), seconds after
+            the slot's time, or ``'next_slot'`` (the job's next slot); see
+            :func:`celery_anarchon.worker.expires_for`.
     """
 
     jitter: float
@@ -115,6 +119,7 @@ class JobOptions:
     catch_up_limit: int
     lease_ttl: float
     anchor_ms: int = 0
+    expires: float | str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The options as plain values (for ``celery anarchon jobs``)."""
@@ -134,6 +139,13 @@ class Settings:
             backend, seconds.
         allow_eviction: accept a Redis that may evict claim keys.
         explicit: names of the settings the user set explicitly.
+        worker_strict: worker integration: when the start gate cannot be
+            checked (backend unavailable), discard the delivery (True) or
+            run it and log (False, the default); see
+            :mod:`celery_anarchon.worker`.
+        test_send_delay: FOR TESTS ONLY (fault injection): seconds slept
+            between winning a claim and sending it, to widen the window in
+            which a test kills or freezes the owner. Never set in production.
     """
 
     backend: str | None
@@ -143,6 +155,8 @@ class Settings:
     max_skew: float
     allow_eviction: bool
     explicit: frozenset[str] = field(default_factory=frozenset)
+    worker_strict: bool = False
+    test_send_delay: float = 0.0
 
     @classmethod
     def from_app(cls, app: Any, *, schedule_filename: str | None = None) -> Settings:
@@ -182,6 +196,7 @@ class Settings:
                 get("catch_up_limit", 100), setting="anarchon_catch_up_limit"
             ),
             lease_ttl=seconds(get("lease_ttl", DEFAULT_LEASE_TTL), setting="anarchon_lease_ttl"),
+            expires=_expires(get("expires", None), setting="anarchon_expires", job=None),
         )
         if defaults.lease_ttl == 0:
             raise ConfigurationError("anarchon_lease_ttl must be above 0 seconds.")
@@ -206,6 +221,10 @@ class Settings:
             max_skew=seconds(get("max_skew", 10.0), setting="anarchon_max_skew"),
             allow_eviction=bool(get("allow_eviction", False)),
             explicit=explicit,
+            worker_strict=bool(get("worker_strict", False)),
+            test_send_delay=seconds(
+                get("test_send_delay", 0.0), setting="anarchon_test_send_delay"
+            ),
         )
 
     def job_options(self, job: str, overrides: Mapping[str, Any] | None) -> JobOptions:
@@ -258,6 +277,7 @@ class Settings:
             ),
             lease_ttl=lease_ttl,
             anchor_ms=_anchor_ms(o["anchor"], job) if "anchor" in o else d.anchor_ms,
+            expires=_expires(o.get("expires", d.expires), setting="expires", job=job),
         )
         _check_jitter(options, job)
         return options
@@ -287,6 +307,29 @@ def _check_jitter(options: JobOptions, job: str | None) -> None:
             f"({options.max_late}s): a claim delayed by the jitter would be recorded as "
             "missed. Lower the jitter or raise max_late."
         )
+
+
+#: The ``expires`` value that makes a run's message expire at the job's next slot.
+EXPIRES_NEXT_SLOT = "next_slot"
+
+
+def _expires(value: Any, *, setting: str, job: str | None) -> float | str | None:
+    """An ``expires`` setting: None, ``'next_slot'``, or seconds above 0.
+
+    Raises:
+        ConfigurationError: anything else.
+    """
+    if value is None or value == EXPIRES_NEXT_SLOT:
+        return value
+    if isinstance(value, (int, float, timedelta)) and not isinstance(value, bool):
+        result = seconds(value, setting=setting, job=job)
+        if result > 0:
+            return result
+    raise ConfigurationError(
+        f"{_where(job)}{setting} must be None (no expiry), a number of seconds above 0 "
+        f"(or a timedelta) counted from the slot's time, or {EXPIRES_NEXT_SLOT!r}; "
+        f"got {value!r}."
+    )
 
 
 def _anchor_ms(value: Any, job: str) -> int:
