@@ -182,9 +182,14 @@ class InstanceInfo:
         pid: process id.
         version: celery-anarchon version.
         started_ms: start time, epoch milliseconds.
-        heartbeat_ms: last heartbeat, epoch milliseconds (backend clock).
+        heartbeat_ms: last heartbeat, epoch milliseconds (backend clock: the
+            backend sets it when it writes the heartbeat).
         fingerprint: hash of the instance's schedule definitions.
         jobs: per-job definition hashes, ``{job: hash}``.
+        clock_ms: the instance's own clock when it sent that heartbeat,
+            epoch milliseconds, or None (older versions). The instance's
+            clock offset from the backend's is ``clock_ms - heartbeat_ms``,
+            within one round trip.
     """
 
     instance: str
@@ -195,6 +200,7 @@ class InstanceInfo:
     heartbeat_ms: int = 0
     fingerprint: str = ""
     jobs: dict[str, str] = field(default_factory=dict)
+    clock_ms: int | None = None
 
 
 class Backend(abc.ABC):
