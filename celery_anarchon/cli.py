@@ -1,17 +1,912 @@
 """``celery anarchon``: operator commands (a click group under Celery's CLI).
 
 Registered through the ``celery.commands`` entry point, so ``celery -A proj
-anarchon --help`` lists the commands.
+anarchon --help`` lists the commands::
+
+    celery -A proj anarchon jobs              # schedules, zones, next slots, options
+    celery -A proj anarchon history JOB       # newest runs first
+    celery -A proj anarchon last-run JOB      # the newest run really sent
+    celery -A proj anarchon run-now JOB       # send now, once per --key
+    celery -A proj anarchon status            # backend, live instances, clocks, drift
+    celery -A proj anarchon check             # validate settings and schedules
+
+Every command prints human-readable text by default and one JSON object with
+``--json``. Credentials in URLs are always masked.
+
+Exit codes (the same for every command):
+
+====  ==================================================================
+0     OK.
+1     A problem was found: ``check`` found a bad setting or schedule;
+      ``status`` printed a warning (no live instance, a clock off by more
+      than ``max_skew``, a stale heartbeat, jobs defined differently on
+      different instances); ``last-run`` found no run; ``run-now`` did
+      not send (the key was used before, or the broker refused the task).
+2     Usage: a bad option or argument, an unknown job.
+3     The claim backend is unreachable.
+4     The app's configuration cannot be loaded (a bad setting or
+      schedule); ``check`` lists every problem.
+====  ==================================================================
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
+import hashlib
+import inspect
+import json
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone, tzinfo
+from typing import Any, NoReturn, TypeVar
+from zoneinfo import ZoneInfo
+
 import click
 
-__all__ = ["anarchon"]
+from .backends import backend_from_url
+from .backends.base import Backend, InstanceInfo, RunRecord
+from .control import Control
+from .exceptions import BackendUnavailable, ConfigurationError
+from .metrics import metrics_config
+from .scheduler import (
+    HEARTBEAT_INTERVAL,
+    Entry,
+    Job,
+    Scheduler,
+    app_zone,
+    build_jobs,
+    registry_ttl,
+)
+from .settings import Settings
+
+__all__ = [
+    "anarchon",
+    "EXIT_OK",
+    "EXIT_PROBLEM",
+    "EXIT_USAGE",
+    "EXIT_UNREACHABLE",
+    "EXIT_CONFIG",
+]
+
+#: Exit codes, see the module docstring.
+EXIT_OK = 0
+EXIT_PROBLEM = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+EXIT_CONFIG = 4
+
+#: How many upcoming slots ``jobs`` shows per job.
+NEXT_SLOTS = 3
+
+#: A heartbeat older than this is reported as stale by ``status``, seconds.
+STALE_HEARTBEAT_S = 3 * HEARTBEAT_INTERVAL
+
+#: Keys a ``beat_schedule`` entry may have (those of the scheduler's Entry).
+ENTRY_KEYS = frozenset(inspect.signature(Entry.__init__).parameters) - {"self", "name", "app"}
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+#: ``scheme://user:password@`` in free text (driver error messages).
+_CREDENTIALS = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^\s:/@]*:)[^\s@]+@")
+
+
+class _Fail(Exception):
+    """Ends a command with ``code`` and a one-line ``message``."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _masked(text: str) -> str:
+    """``text`` with any URL password replaced by ``**``."""
+    return _CREDENTIALS.sub(r"\1**@", text)
+
+
+def _one_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message, credentials masked."""
+    lines = str(exc).strip().splitlines()
+    return _masked(lines[0] if lines else type(exc).__name__)
+
+
+def _handled(func: _F) -> _F:
+    """Turn backend and configuration errors into a one-line message and
+    the documented exit code (JSON ``{"error", "exit_code"}`` with --json)."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        as_json = bool(kwargs.get("as_json"))
+        try:
+            return func(*args, **kwargs)
+        except _Fail as exc:
+            _exit(exc.code, exc.message, as_json)
+        except BackendUnavailable as exc:
+            _exit(EXIT_UNREACHABLE, f"claim backend unreachable: {_one_line(exc)}", as_json)
+        except ConfigurationError as exc:
+            _exit(
+                EXIT_CONFIG,
+                f"configuration error: {_one_line(exc)} "
+                "(`celery anarchon check` lists every problem)",
+                as_json,
+            )
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _exit(code: int, message: str, as_json: bool) -> NoReturn:
+    if as_json:
+        click.echo(json.dumps({"error": message, "exit_code": code}))
+    else:
+        click.echo(f"celery anarchon: {message}", err=True)
+    raise click.exceptions.Exit(code)
+
+
+json_option = click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON object (for scripts)."
+)
+
+
+def _app(ctx: click.Context) -> Any:
+    """The Celery app, from Celery's CLI context (``ctx.obj.app``, as
+    Celery's own commands get it)."""
+    obj = ctx.obj
+    app = getattr(obj, "app", None)
+    if app is None:
+        raise click.UsageError("run it as `celery -A proj anarchon ...`", ctx=ctx)
+    return app
+
+
+def _control(ctx: click.Context) -> Control:
+    """A :class:`Control` over the app (builds the backend, connects nothing)."""
+    return Control(_app(ctx), schedule_filename=ctx.meta.get("anarchon.schedule"))
+
+
+# -- formatting ----------------------------------------------------------------
+
+
+def _utc(ms: int | None) -> str:
+    """``2026-06-01T12:00:00Z`` (milliseconds only when there are some)."""
+    if ms is None:
+        return "-"
+    spec = "milliseconds" if ms % 1000 else "seconds"
+    stamp = datetime.fromtimestamp(ms / 1000, timezone.utc).replace(tzinfo=None)
+    return stamp.isoformat(timespec=spec) + "Z"
+
+
+def _local(ms: int, zone: tzinfo) -> str:
+    """``2026-06-01 14:00:00 CEST``: ``ms`` on the wall clock of ``zone``."""
+    stamp = datetime.fromtimestamp(ms / 1000, zone)
+    text = stamp.strftime("%Y-%m-%d %H:%M:%S")
+    if ms % 1000:
+        text += f".{ms % 1000:03d}"
+    return f"{text} {stamp.tzname()}"
+
+
+def _after(ms: int | None, slot_ms: int) -> str:
+    """``+1.234s``: ``ms`` relative to the slot, or ``-``."""
+    return "-" if ms is None else f"{(ms - slot_ms) / 1000:+.3f}s"
+
+
+def _seconds(value: float) -> str:
+    """``2s``, ``0.5s``, ``7d``: a duration in seconds, short."""
+    if value >= 86400 and value % 86400 == 0:
+        return f"{value / 86400:g}d"
+    if value >= 3600 and value % 3600 == 0:
+        return f"{value / 3600:g}h"
+    return f"{value:g}s"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Left-aligned columns separated by two spaces."""
+    widths = [max([len(h)] + [len(row[i]) for row in rows]) for i, h in enumerate(headers)]
+    lines = [headers, *rows]
+    return "\n".join(
+        "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(line)).rstrip() for line in lines
+    )
+
+
+def _zone_name(zone: tzinfo) -> str:
+    return str(getattr(zone, "key", None) or zone)
+
+
+# -- the group -------------------------------------------------------------------
 
 
 @click.group(name="anarchon")
+@click.option(
+    "-s",
+    "--schedule",
+    "schedule_filename",
+    default=None,
+    help="beat's schedule file (-s of `celery beat`), when the default SQLite "
+    "backend is used and beat runs with another file than the default.",
+)
 @click.pass_context
-def anarchon(ctx: click.Context) -> None:
-    """Inspect and operate celery-anarchon: jobs, history, runs, instances."""
+def anarchon(ctx: click.Context, schedule_filename: str | None) -> None:
+    """Inspect and operate celery-anarchon: jobs, history, runs, instances.
+
+    Exit codes: 0 OK; 1 a problem found (check, status warnings, no last
+    run, run-now not sent); 2 usage; 3 claim backend unreachable; 4 the
+    configuration cannot be loaded.
+    """
+    ctx.meta["anarchon.schedule"] = schedule_filename
+
+
+# -- jobs ------------------------------------------------------------------------
+
+
+@anarchon.command()
+@json_option
+@click.pass_context
+@_handled
+def jobs(ctx: click.Context, as_json: bool) -> None:
+    """Every job: schedule, time zone, next slots (local and UTC), options.
+
+    Connects to nothing: the slots are computed from the schedules alone.
+    """
+    with _control(ctx) as control:
+        zone = app_zone(control.app)
+        now_ms = int(time.time() * 1000)
+        backend = control.backend
+        described = [_describe_job(job, backend, zone, now_ms) for job in control.jobs.values()]
+        if as_json:
+            click.echo(
+                json.dumps(
+                    {
+                        "backend": backend.describe(),
+                        "supports_leases": backend.supports_leases,
+                        "zone": _zone_name(zone),
+                        "now_ms": now_ms,
+                        "jobs": described,
+                    }
+                )
+            )
+            return
+        kind = "lease backend" if backend.supports_leases else "claim-only backend"
+        click.echo(f"backend: {backend.describe()} ({kind})")
+        click.echo(f"app time zone: {_zone_name(zone)}   now: {_utc(now_ms)}")
+        click.echo(f"{len(described)} job(s)")
+        for item in described:
+            click.echo("")
+            click.echo(item["name"])
+            click.echo(f"  task      {item['task']}")
+            click.echo(f"  schedule  {item['schedule']}")
+            click.echo(f"  zone      {item['zone']}")
+            nexts = item["next"] or [{"local": "(no more slots)", "utc": ""}]
+            for i, slot in enumerate(nexts):
+                label = "next" if i == 0 else ""
+                click.echo(f"  {label:<8}  {slot['local']:<30}  {slot['utc']}".rstrip())
+            if "gate_queue" in item:
+                click.echo(f"  gate      {item['gate_queue']}")
+            click.echo(f"  options   {_options_text(item['options'])}")
+
+
+def _describe_job(job: Job, backend: Backend, app_zone_: ZoneInfo, now_ms: int) -> dict[str, Any]:
+    zone: tzinfo = getattr(job.slots, "zone", None) or app_zone_
+    slots: list[int] = []
+    slot = job.slots.next_after(now_ms)
+    while slot is not None and len(slots) < NEXT_SLOTS:
+        slots.append(slot)
+        slot = job.slots.next_after(slot)
+    described: dict[str, Any] = {
+        "name": job.name,
+        "task": job.entry.task,
+        "schedule": job.slots.describe(),
+        "zone": _zone_name(zone),
+        "next": [{"slot_ms": s, "utc": _utc(s), "local": _local(s, zone)} for s in slots],
+        "options": job.options.as_dict(),
+        "definition": job.definition,
+    }
+    gate_queue = getattr(backend, "gate_queue", None)
+    if gate_queue is not None and slots:
+        described["gate_queue"] = gate_queue(job.name, slots[0])
+    return described
+
+
+def _options_text(options: Mapping[str, Any]) -> str:
+    parts = [
+        f"jitter={_seconds(options['jitter'])}",
+        f"max_late={_seconds(options['max_late'])}",
+        f"overlap={options['overlap']}",
+        f"catch_up={options['catch_up']}",
+    ]
+    if options["catch_up"] != "none":
+        parts.append(f"catch_up_window={_seconds(options['catch_up_window'])}")
+        parts.append(f"catch_up_limit={options['catch_up_limit']}")
+    parts += [
+        f"lease_ttl={_seconds(options['lease_ttl'])}",
+        f"history={options['history_size']}/{_seconds(options['history_ttl'])}",
+    ]
+    if options.get("anchor_ms"):
+        parts.append(f"anchor={_utc(options['anchor_ms'])}")
+    return " ".join(parts)
+
+
+# -- history and last-run --------------------------------------------------------
+
+
+@anarchon.command()
+@click.argument("job")
+@click.option(
+    "-n",
+    "--limit",
+    type=click.IntRange(min=1),
+    default=20,
+    show_default=True,
+    help="Most records to show.",
+)
+@json_option
+@click.pass_context
+@_handled
+def history(ctx: click.Context, job: str, limit: int, as_json: bool) -> None:
+    """JOB's runs, newest slot first: state, instance, times, task id, error.
+
+    Times after the slot are shown in seconds relative to the slot (epoch
+    milliseconds in --json). Exit 2 when JOB is neither in beat_schedule nor
+    in the backend's history.
+    """
+    with _control(ctx) as control:
+        records = control.history(job, limit)
+        known = job in control.jobs
+        if not records and not known:
+            raise _Fail(EXIT_USAGE, _unknown_job(job, control))
+        if as_json:
+            click.echo(
+                json.dumps(
+                    {
+                        "job": job,
+                        "in_beat_schedule": known,
+                        "records": [_record_json(r) for r in records],
+                    }
+                )
+            )
+            return
+        note = "" if known else " (no longer in beat_schedule)"
+        if not records:
+            click.echo(f"{job}: no runs recorded yet")
+            return
+        click.echo(f"{job}{note}: {len(records)} run(s), newest first; times after the slot")
+        rows = [
+            [
+                _utc(r.slot_ms),
+                r.state.value,
+                r.instance or "-",
+                _after(r.claimed_at_ms, r.slot_ms),
+                _after(r.sent_at_ms, r.slot_ms),
+                _after(r.started_at_ms, r.slot_ms),
+                _after(r.finished_at_ms, r.slot_ms),
+                r.task_id or "-",
+                _note(r),
+            ]
+            for r in records
+        ]
+        headers = ["SLOT (UTC)", "STATE", "INSTANCE", "CLAIMED", "SENT", "STARTED", "FINISHED"]
+        click.echo(_table([*headers, "TASK ID", "NOTE"], rows))
+
+
+def _note(record: RunRecord) -> str:
+    parts = []
+    if record.manual_key is not None:
+        parts.append(f"run-now key={record.manual_key}")
+    if record.error:
+        parts.append(_masked(record.error))
+    return "; ".join(parts) or "-"
+
+
+def _record_json(record: RunRecord) -> dict[str, Any]:
+    return {**record.as_dict(), "slot": _utc(record.slot_ms)}
+
+
+def _unknown_job(job: str, control: Control) -> str:
+    close = difflib.get_close_matches(job, list(control.jobs), n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    known = ", ".join(sorted(control.jobs)) or "none"
+    return f"no job named {job!r} in beat_schedule and no history of it.{hint} Jobs: {known}."
+
+
+@anarchon.command(name="last-run")
+@click.argument("job")
+@json_option
+@click.pass_context
+@_handled
+def last_run(ctx: click.Context, job: str, as_json: bool) -> None:
+    """The newest run of JOB that was really sent (exit 1 when there is none)."""
+    with _control(ctx) as control:
+        record = control.last_run(job)
+        if record is None and job not in control.jobs and not control.history(job, 1):
+            raise _Fail(EXIT_USAGE, _unknown_job(job, control))
+        if as_json:
+            click.echo(json.dumps({"job": job, "run": record and _record_json(record)}))
+        elif record is None:
+            click.echo(f"{job}: no run sent yet")
+        else:
+            click.echo(f"{job}: last sent run")
+            for key, value in [
+                ("slot", _utc(record.slot_ms)),
+                ("state", record.state.value),
+                ("instance", record.instance or "-"),
+                ("claimed", _utc(record.claimed_at_ms)),
+                ("sent", _utc(record.sent_at_ms)),
+                ("started", _utc(record.started_at_ms)),
+                ("finished", _utc(record.finished_at_ms)),
+                ("task id", record.task_id or "-"),
+                ("note", _note(record)),
+            ]:
+                click.echo(f"  {key:<9} {value}")
+        if record is None:
+            raise click.exceptions.Exit(EXIT_PROBLEM)
+
+
+# -- run-now -----------------------------------------------------------------------
+
+
+@anarchon.command(name="run-now")
+@click.argument("job")
+@click.option(
+    "--key",
+    default=None,
+    help="Calls with the same key send once, from any host [default: the "
+    "current second, so a double click sends once].",
+)
+@json_option
+@click.pass_context
+@_handled
+def run_now(ctx: click.Context, job: str, key: str | None, as_json: bool) -> None:
+    """Send JOB's task now, once per --key across all hosts; prints the task id.
+
+    Exit 0 when this call sent it; 1 when a call with the same key already
+    did (the task id printed is that run's), or the broker refused the task
+    (recorded ``lost``).
+    """
+    with _control(ctx) as control:
+        if job not in control.jobs:
+            raise _Fail(EXIT_USAGE, _unknown_job(job, control).replace(" and no history of it", ""))
+        try:
+            result = control.run_now(job, key)
+        except (BackendUnavailable, ConfigurationError):
+            raise
+        except Exception as exc:
+            raise _Fail(
+                EXIT_PROBLEM,
+                f"{job}: claimed, but the broker refused the task ({_one_line(exc)}); "
+                "recorded as lost, not sent",
+            ) from exc
+        if as_json:
+            click.echo(json.dumps(asdict(result)))
+        elif result.sent:
+            click.echo(f"{job}: sent, task id {result.task_id} (key {result.key})")
+        else:
+            click.echo(
+                f"{job}: not sent: key {result.key!r} was used before; "
+                f"that run's task id is {result.task_id}"
+            )
+        if not result.sent:
+            raise click.exceptions.Exit(EXIT_PROBLEM)
+
+
+# -- status ------------------------------------------------------------------------
+
+
+@dataclass
+class _Probe:
+    """What ``status`` measured of the backend (milliseconds)."""
+
+    connect_ms: float
+    rtt_ms: float | None = None
+    backend_now_ms: int | None = None
+    host_offset_ms: float | None = None
+
+
+def _has_clock(backend: Backend) -> bool:
+    """True when the backend judges time by a clock of its own (Redis
+    ``TIME``, the database's clock); SQLite and RabbitMQ use each host's."""
+    return backend.supports_leases and getattr(backend, "kind", None) != "sqlite"
+
+
+def _probe(backend: Backend) -> _Probe:
+    """Connect, then read the backend clock three times; keep the sample
+    with the shortest round trip (as NTP does)."""
+    started = time.perf_counter()
+    backend.open()
+    probe = _Probe(connect_ms=(time.perf_counter() - started) * 1000)
+    if not _has_clock(backend):
+        return probe
+    for _ in range(3):
+        local_s, before = time.time(), time.perf_counter()
+        backend_now = backend.now_ms()
+        rtt_s = time.perf_counter() - before
+        if probe.rtt_ms is None or rtt_s * 1000 < probe.rtt_ms:
+            probe.rtt_ms = rtt_s * 1000
+            probe.backend_now_ms = backend_now
+            probe.host_offset_ms = (local_s + rtt_s / 2) * 1000 - backend_now
+    return probe
+
+
+def schedule_fingerprint(jobs: Mapping[str, Job]) -> str:
+    """The fingerprint a scheduler running ``jobs`` registers (the same
+    hash as :meth:`Scheduler.instance_info`)."""
+    text = "\x00".join(f"{name}={job.definition}" for name, job in sorted(jobs.items()))
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+@dataclass
+class _Status:
+    backend: str
+    supports_leases: bool
+    backend_clock: bool
+    max_skew_s: float
+    probe: _Probe
+    local_fingerprint: str
+    instances: list[dict[str, Any]] = field(default_factory=list)
+    drift: list[dict[str, Any]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+@anarchon.command()
+@json_option
+@click.pass_context
+@_handled
+def status(ctx: click.Context, as_json: bool) -> None:
+    """The backend, its round trip, the live instances and their clocks.
+
+    Lists each live instance (host, pid, version, start, last heartbeat,
+    schedule fingerprint) with its clock offset from the backend's clock
+    (where the backend has one), and the jobs whose definitions differ
+    between instances. Exit 1 when there is a warning: no live instance, a
+    clock off by more than max_skew, a stale heartbeat, definitions that
+    differ; exit 3 when the backend is unreachable.
+    """
+    with _control(ctx) as control:
+        backend = control.backend
+        probe = _probe(backend)
+        report = _Status(
+            backend=backend.describe(),
+            supports_leases=backend.supports_leases,
+            backend_clock=_has_clock(backend),
+            max_skew_s=control.settings.max_skew,
+            probe=probe,
+            local_fingerprint=schedule_fingerprint(control.jobs),
+        )
+        if backend.supports_leases:
+            live = control.instances()
+            now_ms = probe.backend_now_ms or backend.now_ms()
+            _check_instances(report, live, now_ms)
+        else:
+            report.notes.append(
+                "claim-only backend: no instance registry is kept, so live instances "
+                "cannot be listed (use a lease backend to see them)"
+            )
+        if probe.host_offset_ms is not None and abs(probe.host_offset_ms) > 1000 * (
+            report.max_skew_s
+        ):
+            report.notes.append(
+                f"this host's clock is {probe.host_offset_ms / 1000:+.1f}s off the backend's "
+                f"(more than max_skew={report.max_skew_s:g}s): do not run beat here before "
+                "syncing it (NTP)"
+            )
+        if as_json:
+            payload = asdict(report)
+            payload["reachable"] = True
+            click.echo(json.dumps(payload))
+        else:
+            _print_status(report)
+        if report.warnings:
+            raise click.exceptions.Exit(EXIT_PROBLEM)
+
+
+def _check_instances(report: _Status, live: Sequence[InstanceInfo], now_ms: int) -> None:
+    skew_ms = report.max_skew_s * 1000
+    for info in live:
+        offset = (
+            info.clock_ms - info.heartbeat_ms
+            if report.backend_clock and info.clock_ms is not None
+            else None
+        )
+        age_ms = max(now_ms - info.heartbeat_ms, 0)
+        report.instances.append({**asdict(info), "offset_ms": offset, "heartbeat_age_ms": age_ms})
+        if offset is not None and abs(offset) > skew_ms:
+            report.warnings.append(
+                f"instance {info.instance}: clock {offset / 1000:+.1f}s off the backend's, more "
+                f"than anarchon_max_skew={report.max_skew_s:g}s; its claims are refused or "
+                "judged late. Sync its clock (NTP)."
+            )
+        if age_ms > STALE_HEARTBEAT_S * 1000:
+            report.warnings.append(
+                f"instance {info.instance}: last heartbeat {age_ms / 1000:.0f}s ago (every "
+                f"{HEARTBEAT_INTERVAL:g}s expected): frozen or stopped?"
+            )
+        if info.fingerprint != report.local_fingerprint:
+            report.notes.append(
+                f"instance {info.instance} runs another schedule (fingerprint "
+                f"{info.fingerprint}) than this app's ({report.local_fingerprint})"
+            )
+    if not live:
+        report.warnings.append(
+            "no live instance in the registry: no slot is being sent. Start "
+            "`celery -A proj beat -S celery_anarchon.Scheduler` on at least one host."
+        )
+    names = sorted({name for info in live for name in info.jobs})
+    for name in names:
+        definitions = {info.instance: info.jobs.get(name) for info in live}
+        if len(set(definitions.values())) > 1:
+            report.drift.append({"job": name, "definitions": definitions})
+            report.warnings.append(
+                f"job {name!r} is defined differently on the live instances (a rolling "
+                "deploy, or hosts with different code)"
+            )
+
+
+def _print_status(report: _Status) -> None:
+    probe = report.probe
+    click.echo(f"backend: {report.backend}")
+    line = f"reachable: yes, connect {probe.connect_ms:.1f} ms"
+    if probe.rtt_ms is not None:
+        line += f", round trip {probe.rtt_ms:.2f} ms"
+    click.echo(line)
+    if report.backend_clock and probe.backend_now_ms is not None:
+        click.echo(
+            f"backend clock: {_utc(probe.backend_now_ms)} (this host "
+            f"{(probe.host_offset_ms or 0) / 1000:+.3f}s)"
+        )
+    else:
+        click.echo("backend clock: none (each host's own clock is used)")
+    click.echo(f"this app's schedule fingerprint: {report.local_fingerprint}")
+    if report.supports_leases:
+        click.echo("")
+        click.echo(f"live instances: {len(report.instances)}")
+        if report.instances:
+            rows = [
+                [
+                    item["instance"],
+                    item["host"],
+                    str(item["pid"]),
+                    item["version"],
+                    _utc(item["started_ms"] - item["started_ms"] % 1000),
+                    f"{item['heartbeat_age_ms'] / 1000:.1f}s ago",
+                    item["fingerprint"]
+                    + ("" if item["fingerprint"] == report.local_fingerprint else " *"),
+                    "-" if item["offset_ms"] is None else f"{item['offset_ms'] / 1000:+.3f}s",
+                ]
+                for item in report.instances
+            ]
+            headers = ["INSTANCE", "HOST", "PID", "VERSION", "STARTED (UTC)", "HEARTBEAT"]
+            click.echo(_table([*headers, "FINGERPRINT", "CLOCK OFFSET"], rows))
+    if report.drift:
+        click.echo("")
+        click.echo("jobs defined differently between instances:")
+        for item in report.drift:
+            shown = ", ".join(
+                f"{instance}={definition or '(absent)'}"
+                for instance, definition in item["definitions"].items()
+            )
+            click.echo(f"  {item['job']}: {shown}")
+    if report.notes or report.warnings:
+        click.echo("")
+    for note in report.notes:
+        click.echo(f"note: {note}")
+    for warning in report.warnings:
+        click.echo(f"WARNING: {warning}")
+
+
+# -- check -----------------------------------------------------------------------
+
+
+@dataclass
+class _Check:
+    """What ``check`` found: problems (exit 1) and warnings (exit 0)."""
+
+    problems: list[dict[str, str]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    jobs: int = 0
+    backend: str | None = None
+    connected: bool = False
+    unreachable: bool = False
+
+    def problem(self, where: str, message: str) -> None:
+        self.problems.append({"where": where, "message": _masked(message)})
+
+
+@anarchon.command()
+@click.option(
+    "--connect",
+    is_flag=True,
+    help="Also connect to the backend: reachability, Redis eviction policy, "
+    "RabbitMQ version, this host's clock against the backend's.",
+)
+@json_option
+@click.pass_context
+def check(ctx: click.Context, connect: bool, as_json: bool) -> None:
+    """Validate every setting and schedule without starting beat.
+
+    Builds every job as beat would (cron fields, intervals, zones, per-job
+    options, what a claim-only backend can do) and the backend without
+    connecting, unless --connect. Prints each problem with the job, the
+    setting and the fix. Exit 0 when all is valid, 1 on any problem, 3 when
+    --connect finds the backend unreachable. For CI and deploy hooks.
+    """
+    result = _run_check(_app(ctx), ctx.meta.get("anarchon.schedule"), connect)
+    if as_json:
+        click.echo(json.dumps({"ok": not result.problems, **asdict(result)}))
+    else:
+        _print_check(result, connect)
+    if result.unreachable:
+        raise click.exceptions.Exit(EXIT_UNREACHABLE)
+    if result.problems:
+        raise click.exceptions.Exit(EXIT_PROBLEM)
+
+
+def _run_check(app: Any, schedule_filename: str | None, connect: bool) -> _Check:
+    result = _Check()
+    try:
+        settings = Settings.from_app(app, schedule_filename=schedule_filename)
+    except ConfigurationError as exc:
+        result.problem("settings", str(exc))
+        settings = None
+    try:
+        zone = app_zone(app)
+    except ConfigurationError as exc:
+        result.problem("timezone", str(exc))
+        zone = ZoneInfo("UTC")
+    for where, validate in (
+        ("anarchon_registry_ttl", registry_ttl),
+        ("anarchon_metrics_port", metrics_config),
+    ):
+        try:
+            validate(app.conf)
+        except ConfigurationError as exc:
+            result.problem(where, str(exc))
+    entries = _check_entries(app, result)
+    job_settings = settings or Settings.from_app(_DefaultsOnly(app))
+    jobs: dict[str, Job] = {}
+    for name, entry in entries.items():
+        try:
+            jobs.update(build_jobs({name: entry}, job_settings, zone))
+        except ConfigurationError as exc:
+            result.problem(f"beat_schedule[{name!r}]", str(exc))
+        except Exception as exc:  # a schedule object that fails in its own way
+            result.problem(f"beat_schedule[{name!r}]", f"{type(exc).__name__}: {exc}")
+    result.jobs = len(jobs)
+    if settings is None:
+        result.warnings.append(
+            "jobs were checked with the default anarchon_* settings until the settings "
+            "above are fixed"
+        )
+        _check_backend_url(app, result)
+        return result
+    backend = _check_backend(app, settings, schedule_filename, jobs, result)
+    if backend is not None and connect:
+        _check_connect(backend, settings, result)
+    return result
+
+
+class _DefaultsOnly:
+    """An app stand-in whose ``anarchon_*`` settings are all unset, so jobs
+    can still be checked when the global settings are broken."""
+
+    def __init__(self, app: Any) -> None:
+        self.conf = {
+            key: value for key, value in app.conf.items() if not key.startswith("anarchon_")
+        }
+
+
+def _check_entries(app: Any, result: _Check) -> dict[str, Entry]:
+    """Each ``beat_schedule`` entry as the scheduler builds it; problems
+    recorded for entries that cannot be built."""
+    schedule = app.conf.beat_schedule or {}
+    entries: dict[str, Entry] = {}
+    allowed = ", ".join(sorted(ENTRY_KEYS))
+    for name, spec in schedule.items():
+        where = f"beat_schedule[{name!r}]"
+        if not isinstance(spec, Mapping):
+            result.problem(where, f"{where} must be a dict of {allowed}; got {spec!r}.")
+            continue
+        unknown = sorted(set(spec) - ENTRY_KEYS)
+        for key in unknown:
+            close = difflib.get_close_matches(key, ENTRY_KEYS, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            result.problem(where, f"{where}: unknown key {key!r}.{hint} Allowed: {allowed}.")
+        missing = [key for key in ("task", "schedule") if spec.get(key) is None]
+        for key in missing:
+            result.problem(where, f"{where}: no {key!r}; every entry needs a task and a schedule.")
+        if unknown or missing:
+            continue
+        try:
+            entries[name] = Entry(**dict(spec, name=name, app=app))
+        except ConfigurationError as exc:
+            result.problem(where, str(exc))
+        except Exception as exc:
+            result.problem(where, f"{where}: {type(exc).__name__}: {exc}")
+    return entries
+
+
+def _check_backend(
+    app: Any,
+    settings: Settings,
+    schedule_filename: str | None,
+    jobs: Mapping[str, Job],
+    result: _Check,
+) -> Backend | None:
+    """Build the backend as beat would (no connection) and check each job
+    against what it supports. Uses the scheduler's own start-up checks so
+    that ``check`` refuses exactly what beat refuses."""
+    scheduler = Scheduler(app, lazy=True, schedule_filename=schedule_filename)
+    try:
+        backend = backend_from_url(
+            settings.backend,
+            instance="anarchon-check",
+            options=scheduler._backend_options(settings),
+            client=settings.backend_client,
+        )
+    except ConfigurationError as exc:
+        result.problem("anarchon_backend", str(exc))
+        return None
+    result.backend = backend.describe()
+    scheduler._backend = backend
+    scheduler._settings = settings
+    for job in jobs.values():
+        try:
+            scheduler._check_backend_supports(job)
+        except ConfigurationError as exc:
+            result.problem(f"beat_schedule[{job.name!r}]", str(exc))
+    if getattr(backend, "kind", None) == "sqlite":
+        result.warnings.append(
+            f"claims are kept in a local SQLite file ({backend.describe()}): instances on "
+            "other hosts do not see them. To run beat on several hosts, set anarchon_backend "
+            "to a shared Redis, PostgreSQL, MySQL or RabbitMQ URL."
+        )
+    return backend
+
+
+def _check_backend_url(app: Any, result: _Check) -> None:
+    """Check the backend URL and options alone (when other settings are
+    broken): the scheme is known, its driver installed, its options valid."""
+    url = app.conf.get("anarchon_backend")
+    options = app.conf.get("anarchon_backend_options") or {}
+    if not isinstance(url, str) or not url or not isinstance(options, Mapping):
+        return
+    try:
+        result.backend = backend_from_url(
+            url, instance="anarchon-check", options=dict(options)
+        ).describe()
+    except ConfigurationError as exc:
+        result.problem("anarchon_backend", str(exc))
+
+
+def _check_connect(backend: Backend, settings: Settings, result: _Check) -> None:
+    try:
+        probe = _probe(backend)
+    except BackendUnavailable as exc:
+        result.unreachable = True
+        result.problem("anarchon_backend", f"unreachable: {_one_line(exc)}")
+        return
+    except ConfigurationError as exc:
+        result.problem("anarchon_backend", str(exc))
+        return
+    finally:
+        backend.close()
+    result.connected = True
+    offset = probe.host_offset_ms
+    if offset is not None and abs(offset) > settings.max_skew * 1000:
+        result.warnings.append(
+            f"this host's clock is {offset / 1000:+.1f}s off the backend's, more than "
+            f"anarchon_max_skew={settings.max_skew:g}s: sync it (NTP) before running beat here."
+        )
+
+
+def _print_check(result: _Check, connect: bool) -> None:
+    where = result.backend or "(not built)"
+    how = "connected" if result.connected else "not connected" if not connect else "unreachable"
+    click.echo(f"checked {result.jobs} valid job(s); backend {where} ({how})")
+    for problem in result.problems:
+        click.echo(f"ERROR    {problem['message']}")
+    for warning in result.warnings:
+        click.echo(f"WARNING  {warning}")
+    if result.problems:
+        click.echo(f"{len(result.problems)} problem(s): fix them before starting beat.")
+    else:
+        click.echo("OK: beat would start with this configuration.")
