@@ -842,11 +842,12 @@ class Scheduler(beat.Scheduler):
         self._held.pop((job.name, claim.slot_ms), None)
         self.metrics.won(job.name, self._clock() - claim.slot_ms / 1000)
         logger.info(
-            "anarchon: sent %s @ %s (task %s, id %s)",
+            "anarchon: sent %s @ %s (task %s, id %s, by %s)",
             job.name,
             _iso(claim.slot_ms),
             job.entry.task,
             task_id,
+            self.instance_id,
         )
         if not self._mark(claim, State.SENT, task_id=task_id):
             logger.warning(

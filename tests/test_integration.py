@@ -63,3 +63,67 @@ def test_three_beats_send_every_slot_exactly_once(
     assert duplicates == {}, cluster.logs()
     assert missing == [], cluster.logs()
     print(f"{name}: {counted} slots due, {len(sent)} sent in all, 0 duplicates, 0 missed")
+
+
+def test_beat_embedded_in_a_worker(tmp_path: Path) -> None:
+    """``celery worker -B --scheduler celery_anarchon.Scheduler`` works too."""
+    require_service("redis")
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from celery_anarchon.backends import backend_from_url
+
+    from .beats import REPO
+
+    backend = f"sqlite:///{tmp_path / 'claims.db'}"
+    queue = f"itest-{uuid.uuid4().hex[:8]}"
+    env = {
+        **os.environ,
+        "ITEST_BACKEND": backend,
+        "ITEST_QUEUE": queue,
+        "PYTHONPATH": str(REPO),
+    }
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "tests.beat_app",
+                "worker",
+                "-B",
+                "--scheduler",
+                "celery_anarchon.Scheduler",
+                "-P",
+                "solo",
+                "-Q",
+                queue,
+                "-l",
+                "INFO",
+                "-s",
+                str(tmp_path / "celerybeat-schedule"),
+            ],
+            cwd=tmp_path,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        time.sleep(10)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    text = log.read_text()
+    assert "Traceback" not in text, text[-4000:]
+    reader = backend_from_url(backend, instance="reader")
+    reader.open()
+    try:
+        sent = [r for r in reader.history("every-second") if r.task_id]
+    finally:
+        reader.close()
+    assert len(sent) >= 8, text[-4000:]
+    assert text.count(" succeeded in ") >= 8, text[-4000:]  # the worker ran them
