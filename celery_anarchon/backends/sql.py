@@ -28,8 +28,9 @@ import logging
 import math
 import os
 import re
+import sqlite3
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -384,7 +385,7 @@ class SQLBackend(Backend):
                 Engine, an in-memory SQLite URL, an unsupported dialect, or
                 a bad option value.
         """
-        self.instance = instance
+        super().__init__(url, client=client, instance=instance)
         self.prefix = _prefix(prefix)
         self.connect_timeout = _seconds("connect_timeout", connect_timeout)
         self.statement_timeout = _seconds("statement_timeout", statement_timeout)
@@ -1105,7 +1106,7 @@ class SQLBackend(Backend):
             engine = sa.create_engine(
                 self._url, connect_args={"timeout": self.statement_timeout}, **common
             )
-            sa.event.listen(engine, "connect", _sqlite_on_connect)
+            sa.event.listen(engine, "connect", _sqlite_setup(self.statement_timeout))
             sa.event.listen(engine, "begin", _sqlite_on_begin)
             return engine
         if self.kind == "postgresql":
@@ -1231,11 +1232,29 @@ def _in_memory(url: URL) -> bool:
     return database in ("", ":memory:") or url.query.get("mode") == "memory"
 
 
-def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
-    """Let SQLAlchemy's ``begin`` event issue BEGIN, and turn on WAL so
-    readers never block the writer."""
-    dbapi_connection.isolation_level = None
-    dbapi_connection.execute("PRAGMA journal_mode=WAL").close()
+def _sqlite_setup(busy_timeout: float) -> Callable[[Any, Any], None]:
+    """A ``connect`` listener: let SQLAlchemy's ``begin`` event issue BEGIN,
+    and turn on WAL so readers never block the writer.
+
+    WAL is kept in the file, so only the first connection to a new file
+    switches; switching needs the file to itself and fails at once with
+    "database is locked" (no busy wait) while another process is in it, so
+    it is retried for up to ``busy_timeout`` seconds.
+    """
+
+    def setup(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None
+        deadline = time.monotonic() + busy_timeout
+        while True:
+            try:
+                dbapi_connection.execute("PRAGMA journal_mode=WAL").close()
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+
+    return setup
 
 
 def _sqlite_on_begin(conn: Connection) -> None:
