@@ -318,8 +318,10 @@ class SQLBackend(Backend):
       MySQL ``UTC_TIMESTAMP(6)``; SQLite has no server, so this process's
       clock (SQLite serves one host). A slot outside ``[now -
       window_before_ms, now + window_after_ms]`` is lost with ``"window"``.
-    * **Fencing**: :meth:`mark` is ``UPDATE .. WHERE job, slot_ms, token =
-      :token AND state <> 'superseded'``; a state never moves back.
+    * **Fencing and forward-only states**: :meth:`mark` is ``UPDATE ..
+      WHERE job, slot_ms, token = :token AND state IN (<states it may move
+      from>)``, so a superseded record never changes and ``running`` is
+      entered once (the worker's start gate).
     * **Takeover** (:meth:`take_over`): in one transaction, ``UPDATE .. SET
       state = 'superseded' WHERE token = :old AND state = 'claimed' AND
       lease_until_ms < now`` and, when that changed one row, insert token
@@ -576,23 +578,23 @@ class SQLBackend(Backend):
             BackendUnavailable: no answer.
         """
         with self._write("take over") as conn:
-            answer, keep_until_ms = self._take_over(conn, request)
+            answer = self._take_over(conn, request)
         if answer.won:
             self._after_writes(
                 [(key_of(request.job), request.history_size, request.history_ttl_ms)]
             )
         return answer
 
-    def _take_over(self, conn: Connection, request: ClaimRequest) -> tuple[Claim, int]:
+    def _take_over(self, conn: Connection, request: ClaimRequest) -> Claim:
         runs = self._tables.runs
         job = key_of(request.job)
         now = self._now(conn)
         if not _in_window(request, now):
-            return _lost(request.job, request.slot_ms, "window"), 0
+            return _lost(request.job, request.slot_ms, "window")
         current = self._current_record(conn, job, request.slot_ms)
         if current is None:
             won = self._insert_if_absent(conn, runs, self._claim_row(request, now, token=1))
-            return self._answer(request, won, token=1), request.keep_until_ms
+            return self._answer(request, won, token=1)
         keep_until_ms = max(request.keep_until_ms, int(current.keep_until_ms))
         expired = (
             current.state == State.CLAIMED.value
@@ -600,11 +602,11 @@ class SQLBackend(Backend):
             and (current.lease_until_ms or 0) < now
         )
         if not expired or not self._supersede(conn, current, now, keep_until_ms):
-            return _lost(request.job, request.slot_ms, "taken"), 0
+            return _lost(request.job, request.slot_ms, "taken")
         row = self._claim_row(request, now, token=int(current.token) + 1)
         row["keep_until_ms"] = keep_until_ms
         conn.execute(sa.insert(runs), row)
-        return self._answer(request, True, token=row["token"]), keep_until_ms
+        return self._answer(request, True, token=row["token"])
 
     def _current_record(self, conn: Connection, job: str, slot_ms: int) -> Any:
         runs = self._tables.runs
