@@ -195,9 +195,8 @@ def _strip_found_rows(_d: Any, _r: Any, _a: Any, cparams: dict[str, Any]) -> Non
     cparams["client_flag"] = cparams.get("client_flag", 0) & ~CLIENT_FOUND_ROWS
 
 
-def test_mysql_engine_counts_changed_rows_not_found_rows(url: str, kind: str) -> None:
-    if kind != "mysql":
-        pytest.skip("MySQL/MariaDB only")
+@pytest.mark.parametrize("kind", ["mysql"], indirect=True)
+def test_mysql_engine_counts_changed_rows_not_found_rows(url: str) -> None:
     # The hazard: with SQLAlchemy's default flag, a duplicate's no-op update
     # reports one affected row, exactly like an insert.
     default = engine_for(url)
@@ -216,9 +215,8 @@ def test_mysql_engine_counts_changed_rows_not_found_rows(url: str, kind: str) ->
     engine.dispose()
 
 
-def test_mysql_user_engine_with_found_rows_is_refused(url: str, kind: str, prefix: str) -> None:
-    if kind != "mysql":
-        pytest.skip("MySQL/MariaDB only")
+@pytest.mark.parametrize("kind", ["mysql"], indirect=True)
+def test_mysql_user_engine_with_found_rows_is_refused(url: str, prefix: str) -> None:
     engine = engine_for(url)
     try:
         with pytest.raises(ConfigurationError, match="CLIENT_FOUND_ROWS"):
@@ -430,11 +428,10 @@ def test_job_names_are_compared_exactly(make: Make) -> None:
 # -- run_now -----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("kind", ["sqlite"], indirect=True)
 def test_manual_run_skips_whole_seconds_and_taken_slots(
     make: Make, kind: str, job: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if kind != "sqlite":
-        pytest.skip("needs a clock the test controls (SQLite's is this process's)")
     second = (sql._process_now_ms() // 1000) * 1000
     monkeypatch.setattr(sql, "_process_now_ms", lambda: second)
     backend = make()
@@ -526,11 +523,10 @@ def _claim_in_child(backend: SQLBackend, job: str, results: Any) -> None:
     backend.close()
 
 
+@pytest.mark.parametrize("kind", ["postgresql", "mysql"], indirect=True)
 def test_a_forked_child_leaves_the_parents_connections_alone(
     make: Make, kind: str, job: str
 ) -> None:
-    if kind == "sqlite":
-        pytest.skip("no server session to share")
     backend = make()
     parent_session = _session_id(backend)  # now pooled in the parent
     ctx = multiprocessing.get_context("fork")
@@ -629,11 +625,10 @@ class Proxy:
             b.close()
 
 
+@pytest.mark.parametrize("kind", ["postgresql", "mysql"], indirect=True)
 def test_backend_recovers_when_the_database_comes_back(
     kind: str, url: str, prefix: str, job: str
 ) -> None:
-    if kind == "sqlite":
-        pytest.skip("SQLite has no server to lose")
     parsed = sa.engine.make_url(url)
     proxy = Proxy((parsed.host or "127.0.0.1", parsed.port or 0))
     via_proxy = parsed.set(port=proxy.port).render_as_string(hide_password=False)
@@ -698,9 +693,8 @@ def test_schemes_map_to_our_drivers(url: str, kind: str, shown: str) -> None:
     assert backend.describe() == f"SQL ({kind}) {shown}"
 
 
+@pytest.mark.parametrize("kind", ["postgresql"], indirect=True)
 def test_options_and_driver_parameters_come_from_the_url(kind: str, prefix: str) -> None:
-    if kind != "postgresql":
-        pytest.skip("checked on PostgreSQL, which lists each connection's application_name")
     name = f"anarchon-{prefix}"
     url = f"{POSTGRES_URL}?prefix={prefix}&connect_timeout=2.5&application_name={name}"
     backend = backend_from_url(url, instance="a")
