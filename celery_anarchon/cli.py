@@ -741,17 +741,13 @@ def check(ctx: click.Context, connect: bool, as_json: bool) -> None:
 
 
 def _run_check(app: Any, schedule_filename: str | None, connect: bool) -> _Check:
+    """Every start-up check beat makes, each problem recorded, none raised."""
     result = _Check()
     try:
-        settings = Settings.from_app(app, schedule_filename=schedule_filename)
+        settings: Settings | None = Settings.from_app(app, schedule_filename=schedule_filename)
     except ConfigurationError as exc:
         result.problem("settings", str(exc))
         settings = None
-    try:
-        zone = app_zone(app)
-    except ConfigurationError as exc:
-        result.problem("timezone", str(exc))
-        zone = ZoneInfo("UTC")
     for where, validate in (
         ("anarchon_registry_ttl", registry_ttl),
         ("anarchon_metrics_port", metrics_config),
@@ -760,7 +756,35 @@ def _run_check(app: Any, schedule_filename: str | None, connect: bool) -> _Check
             validate(app.conf)
         except ConfigurationError as exc:
             result.problem(where, str(exc))
+    try:
+        zone = app_zone(app)
+    except ConfigurationError as exc:
+        result.problem("timezone", str(exc))
+        result.warnings.append("jobs were not checked: Celery cannot build them without a zone")
+        jobs: dict[str, Job] = {}
+    else:
+        jobs = _check_jobs(app, settings, zone, result)
+    result.jobs = len(jobs)
+    if settings is None:
+        _check_backend_url(app, result)
+        return result
+    backend = _check_backend(app, settings, schedule_filename, jobs, result)
+    if backend is not None and connect:
+        _check_connect(backend, settings, result)
+    return result
+
+
+def _check_jobs(
+    app: Any, settings: Settings | None, zone: ZoneInfo, result: _Check
+) -> dict[str, Job]:
+    """Build each entry's job on its own, so that one bad entry does not
+    hide the next; with broken global settings, against the defaults."""
     entries = _check_entries(app, result)
+    if settings is None:
+        result.warnings.append(
+            "jobs were checked with the default anarchon_* settings until the settings "
+            "above are fixed"
+        )
     job_settings = settings or Settings.from_app(_DefaultsOnly(app))
     jobs: dict[str, Job] = {}
     for name, entry in entries.items():
@@ -770,18 +794,7 @@ def _run_check(app: Any, schedule_filename: str | None, connect: bool) -> _Check
             result.problem(f"beat_schedule[{name!r}]", str(exc))
         except Exception as exc:  # a schedule object that fails in its own way
             result.problem(f"beat_schedule[{name!r}]", f"{type(exc).__name__}: {exc}")
-    result.jobs = len(jobs)
-    if settings is None:
-        result.warnings.append(
-            "jobs were checked with the default anarchon_* settings until the settings "
-            "above are fixed"
-        )
-        _check_backend_url(app, result)
-        return result
-    backend = _check_backend(app, settings, schedule_filename, jobs, result)
-    if backend is not None and connect:
-        _check_connect(backend, settings, result)
-    return result
+    return jobs
 
 
 class _DefaultsOnly:

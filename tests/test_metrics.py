@@ -174,7 +174,7 @@ def test_two_real_beats_count_every_send_once(tmp_path: Path) -> None:
     require_service("redis")
     backend_url = f"{REDIS_URL}?prefix=anarchon-metrics:{uuid.uuid4().hex[:8]}:"
     ports = [free_port(), free_port()]
-    clusters = []
+    clusters: list[BeatCluster] = []
     for index, port in enumerate(ports):
         folder = tmp_path / f"beat{index}"
         folder.mkdir()
@@ -207,8 +207,9 @@ def test_two_real_beats_count_every_send_once(tmp_path: Path) -> None:
         for job in SCHEDULES:
             assert before[(pid, job)] <= won[job] <= after[(pid, job)], (job, pid, won)
         assert sum(won.values()) > 0, f"instance {pid} sent nothing"
+        # One observation per send (a scrape may fall between the two updates).
         lateness = value(scraped[port], "anarchon_send_lateness_seconds_count")
-        assert lateness == sum(won.values())
+        assert abs(lateness - sum(won.values())) <= 1
         claims = value(scraped[port], "anarchon_backend_call_seconds_count", operation="claim")
         assert claims > 0
         assert not any(name == "anarchon_backend_errors_total" for name, _ in scraped[port])
