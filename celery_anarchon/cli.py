@@ -188,7 +188,12 @@ def _local(ms: int, zone: tzinfo) -> str:
 
 def _after(ms: int | None, slot_ms: int) -> str:
     """``+1.234s``: ``ms`` relative to the slot, or ``-``."""
-    return "-" if ms is None else f"{(ms - slot_ms) / 1000:+.3f}s"
+    return "-" if ms is None else _signed(ms - slot_ms)
+
+
+def _signed(ms: float) -> str:
+    """``+1.234s``: milliseconds as signed seconds (never ``-0.000s``)."""
+    return f"{round(ms / 1000, 3) + 0.0:+.3f}s"
 
 
 def _seconds(value: float) -> str:
@@ -651,7 +656,7 @@ def _print_status(report: _Status) -> None:
     if report.backend_clock and probe.backend_now_ms is not None:
         click.echo(
             f"backend clock: {_utc(probe.backend_now_ms)} (this host "
-            f"{(probe.host_offset_ms or 0) / 1000:+.3f}s)"
+            f"{_signed(probe.host_offset_ms or 0)})"
         )
     else:
         click.echo("backend clock: none (each host's own clock is used)")
@@ -670,7 +675,7 @@ def _print_status(report: _Status) -> None:
                     f"{item['heartbeat_age_ms'] / 1000:.1f}s ago",
                     item["fingerprint"]
                     + ("" if item["fingerprint"] == report.local_fingerprint else " *"),
-                    "-" if item["offset_ms"] is None else f"{item['offset_ms'] / 1000:+.3f}s",
+                    "-" if item["offset_ms"] is None else _signed(item["offset_ms"]),
                 ]
                 for item in report.instances
             ]
@@ -819,11 +824,15 @@ def _check_entries(app: Any, result: _Check) -> dict[str, Entry]:
             result.problem(where, f"{where} must be a dict of {allowed}; got {spec!r}.")
             continue
         unknown = sorted(set(spec) - ENTRY_KEYS)
+        meant = set()  # keys the typos above probably meant
         for key in unknown:
             close = difflib.get_close_matches(key, ENTRY_KEYS, n=1)
+            meant.update(close)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             result.problem(where, f"{where}: unknown key {key!r}.{hint} Allowed: {allowed}.")
-        missing = [key for key in ("task", "schedule") if spec.get(key) is None]
+        missing = [
+            key for key in ("task", "schedule") if spec.get(key) is None and key not in meant
+        ]
         for key in missing:
             result.problem(where, f"{where}: no {key!r}; every entry needs a task and a schedule.")
         if unknown or missing:
