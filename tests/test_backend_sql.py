@@ -332,7 +332,11 @@ def test_trim_by_age_spares_records_still_kept(make: Make, job: str) -> None:
             for s in old
         ]
     )
-    last = ClaimRequest(job, now, 60_000, 10_000, now + 120_000, history_ttl_ms=12 * HOUR_MS)
+    # history_size 10 trims at this write; by count alone, 9 old records
+    # would stay: the age bound removes them.
+    last = ClaimRequest(
+        job, now, 60_000, 10_000, now + 120_000, history_size=10, history_ttl_ms=12 * HOUR_MS
+    )
     assert backend.claim([last])[0].won
     assert sorted(r.slot_ms for r in backend.history(job)) == [*kept, now]
 

@@ -306,14 +306,15 @@ class SQLBackend(Backend):
     * **One winner per slot.** A claim is one conditional insert of the slot's
       first record (token 1) on the key ``(job, slot_ms, token)``: SQLite and
       PostgreSQL ``INSERT .. ON CONFLICT DO NOTHING RETURNING job, slot_ms``,
-      one multi-row statement for a batch; MySQL/MariaDB ``INSERT ..
-      ON DUPLICATE KEY UPDATE job = job`` per slot, won when it affected one
-      row. A no-op update affects 0 rows only without ``CLIENT_FOUND_ROWS``,
-      which SQLAlchemy always sets: engines made here strip it, and
-      :meth:`open` refuses a user's MySQL Engine that has it (strip it in a
-      ``do_connect`` listener: ``cparams["client_flag"] &= ~2``). A batch is
-      one transaction, inserted in key order so concurrent batches never
-      deadlock.
+      one multi-row statement for a batch; MySQL/MariaDB ``INSERT .. ON
+      DUPLICATE KEY UPDATE job = job``, won when it affected one row (a batch
+      goes as one multi-row statement when all or none of it is won, see
+      :meth:`_insert_claims_mysql`). A no-op update affects 0 rows only
+      without ``CLIENT_FOUND_ROWS``, which SQLAlchemy always sets: engines
+      made here strip it, and :meth:`open` refuses a user's MySQL Engine
+      that has it (strip it in a ``do_connect`` listener:
+      ``cparams["client_flag"] &= ~2``). A batch is one transaction,
+      inserted in key order so concurrent batches never deadlock.
     * **Claim window by the database clock**: PostgreSQL ``clock_timestamp()``,
       MySQL ``UTC_TIMESTAMP(6)``; SQLite has no server, so this process's
       clock (SQLite serves one host). A slot outside ``[now -
@@ -350,9 +351,9 @@ class SQLBackend(Backend):
     first call gives the engine a fresh pool without closing the parent's
     connections.
 
-    History is trimmed per job after writes, amortised: on a job's first
-    write in this process and then every ``max(1, history_size // 10)`` of
-    its writes, one ``DELETE`` removes its records older than
+    History is trimmed per job after writes, amortised: at every
+    ``max(1, history_size // 10)``-th write of the job by this instance, one
+    ``DELETE`` removes its records older than
     ``history_ttl_ms`` (by slot) or beyond the newest ``history_size``,
     except those whose ``keep_until_ms`` is ahead; so between trims a job may
     hold up to ``history_size // 10`` records more. A trim that fails is
@@ -549,16 +550,38 @@ class SQLBackend(Backend):
         """Insert first records that are absent; the ``(job key, slot_ms)``
         of those inserted. SQLite and PostgreSQL: one multi-row statement per
         :data:`INSERT_CHUNK` rows (SQLAlchemy's "insertmanyvalues"), its
-        ``RETURNING`` naming the rows inserted; MySQL: one statement per row."""
+        ``RETURNING`` naming the rows inserted. MySQL: see
+        :meth:`_insert_claims_mysql`."""
         runs = self._tables.runs
         if self.kind == "mysql":
-            return {(r["job"], r["slot_ms"]) for r in rows if self._insert_if_absent(conn, runs, r)}
+            return self._insert_claims_mysql(conn, rows)
         stmt = self._insert_absent(runs).returning(runs.c.job, runs.c.slot_ms)
         won: set[tuple[str, int]] = set()
         for start in range(0, len(rows), INSERT_CHUNK):
             chunk = rows[start : start + INSERT_CHUNK]
             won.update((job, slot) for job, slot in conn.execute(stmt, chunk))
         return won
+
+    def _insert_claims_mysql(
+        self, conn: Connection, rows: list[dict[str, Any]]
+    ) -> set[tuple[str, int]]:
+        """MySQL has no ``RETURNING`` and one affected-row count per
+        statement, so a batch is first tried as one multi-row statement under
+        a savepoint: ``len(rows)`` affected means every row went in, 0 means
+        none did; anything between cannot say which, so the savepoint is
+        rolled back and each row inserted on its own (a batch that raced
+        another instance's)."""
+        runs = self._tables.runs
+        keys = {(r["job"], r["slot_ms"]) for r in rows}
+        if len(rows) > 1:
+            savepoint = conn.begin_nested()
+            options = {"preserve_rowcount": True}
+            inserted = conn.execute(self._insert_absent(runs), rows, execution_options=options)
+            if inserted.rowcount in (0, len(rows)):
+                savepoint.commit()
+                return keys if inserted.rowcount else set()
+            savepoint.rollback()
+        return {(r["job"], r["slot_ms"]) for r in rows if self._insert_if_absent(conn, runs, r)}
 
     def take_over(self, request: ClaimRequest) -> Claim:
         """Take over a slot whose winner's lease ran out (backup runner).
@@ -966,7 +989,7 @@ class SQLBackend(Backend):
         for job, size, ttl_ms in writes:
             count = self._writes.get(job, 0)
             self._writes[job] = count + 1
-            if count % _trim_every(size) == 0:
+            if (count + 1) % _trim_every(size) == 0:
                 due[job] = (size, ttl_ms)
         if not due:
             return
