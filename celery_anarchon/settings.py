@@ -196,7 +196,7 @@ class Settings:
                 get("catch_up_limit", 100), setting="anarchon_catch_up_limit"
             ),
             lease_ttl=seconds(get("lease_ttl", DEFAULT_LEASE_TTL), setting="anarchon_lease_ttl"),
-            expires=_expires(get("expires", None), setting="anarchon_expires", job=None),
+            expires=parse_expires(get("expires", None), setting="anarchon_expires", job=None),
         )
         if defaults.lease_ttl == 0:
             raise ConfigurationError("anarchon_lease_ttl must be above 0 seconds.")
@@ -277,7 +277,7 @@ class Settings:
             ),
             lease_ttl=lease_ttl,
             anchor_ms=_anchor_ms(o["anchor"], job) if "anchor" in o else d.anchor_ms,
-            expires=_expires(o.get("expires", d.expires), setting="expires", job=job),
+            expires=parse_expires(o.get("expires", d.expires), setting="expires", job=job),
         )
         _check_jitter(options, job)
         return options
@@ -313,7 +313,7 @@ def _check_jitter(options: JobOptions, job: str | None) -> None:
 EXPIRES_NEXT_SLOT = "next_slot"
 
 
-def _expires(value: Any, *, setting: str, job: str | None) -> float | str | None:
+def parse_expires(value: Any, *, setting: str, job: str | None) -> float | str | None:
     """An ``expires`` setting: None, ``'next_slot'``, or seconds above 0.
 
     Raises:

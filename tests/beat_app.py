@@ -7,14 +7,22 @@ broker and queue:
 * ``ITEST_BACKEND``: ``anarchon_backend`` URL;
 * ``ITEST_QUEUE``: the queue every task is sent to (read back by the test);
 * ``ITEST_CONF``: JSON merged into ``app.conf`` (``beat_schedule`` included).
+
+The worker integration is installed (the one documented line), so workers
+started on this app gate, record and heartbeat every run a beat sent; the
+tasks below ``itest.noop`` are for those worker tests.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
+from typing import Any
 
 from celery import Celery
+
+from celery_anarchon.worker import install, integration_of
 
 #: The jobs every integration test runs unless ITEST_CONF replaces them.
 SCHEDULES = {
@@ -37,8 +45,60 @@ app.conf.update(
     },
 )
 app.conf.update(json.loads(os.environ.get("ITEST_CONF", "{}")))
+install(app)
 
 
 @app.task(name="itest.noop")
 def noop() -> None:
     """Does nothing; tests read the messages, not the results."""
+
+
+def _append(path: str, tag: str) -> int:
+    """Append ``tag pid backend_pid`` to ``path``; the number of lines before.
+
+    ``backend_pid`` is the process that built this process's claim-backend
+    client (the worker integration's), so a test sees whether pool processes
+    use a client of their own."""
+    integration = integration_of(app)
+    backend_pid = integration.backend_pid if integration is not None else None
+    with open(path, "a+") as f:
+        f.seek(0)
+        before = len(f.readlines())
+        f.write(f"{tag} {os.getpid()} {backend_pid}\n")
+    return before
+
+
+@app.task(name="itest.record")
+def record(path: str, tag: str = "run") -> None:
+    """One line per execution in ``path`` (see :func:`_append`)."""
+    _append(path, tag)
+
+
+@app.task(name="itest.sleep")
+def sleep(seconds: float, path: str | None = None) -> None:
+    """Record the execution when ``path`` is given, then sleep ``seconds``."""
+    if path:
+        _append(path, "sleep")
+    time.sleep(seconds)
+
+
+@app.task(name="itest.sleep_once", acks_late=True)
+def sleep_once(seconds: float, path: str) -> None:
+    """``acks_late``: record the execution; the first one sleeps ``seconds``
+    (a test kills the worker meanwhile), later ones return at once."""
+    if _append(path, "sleep_once") == 0:
+        time.sleep(seconds)
+
+
+@app.task(name="itest.fail")
+def fail(message: str) -> None:
+    """Raise ``ValueError(message)``."""
+    raise ValueError(message)
+
+
+@app.task(name="itest.retry_once", bind=True)
+def retry_once(self: Any, path: str) -> None:
+    """Record the execution; the first attempt retries after 0.2 s."""
+    _append(path, f"attempt-{self.request.retries}")
+    if self.request.retries == 0:
+        raise self.retry(countdown=0.2)

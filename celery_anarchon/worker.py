@@ -1,0 +1,702 @@
+"""Worker integration: the start gate, run states and lease heartbeats.
+
+Install it with one line in the module that creates the Celery app (the
+module ``celery -A proj worker`` imports), after the app exists::
+
+    app = Celery("proj")
+    celery_anarchon.worker.install(app)
+
+Celery offers no clean way to run code in every worker of one app without
+a line in the app's module: worker bootsteps and signal receivers are both
+registered by user code, and an import-time hook through our ``celery``
+command plugin would act on every worker of every app on the machine. So the
+line is explicit; it costs nothing where no task runs (beat, web processes):
+the backend is built lazily, at the first worker start or the first run.
+
+What it does, for each message that carries the ``anarchon_job``,
+``anarchon_slot`` (epoch ms) and ``anarchon_token`` headers that the
+scheduler adds (:func:`celery_anarchon.scheduler.send_slot`); other messages
+are untouched:
+
+* **Start gate.** Before the task body runs, ``mark(claim, RUNNING)`` on the
+  claim backend, fenced by the message's token. False means the slot
+  already started (a second publish of one slot: DESIGN section 3) or the
+  token was superseded by a backup runner: the delivery is discarded, the
+  body does not run, a WARNING is logged, and history keeps the first run's
+  state. The gate raises :class:`celery.exceptions.Ignore` from the task's
+  ``before_start`` (inside Celery's trace, where ``Ignore`` acks the message
+  and stores nothing; a signal receiver cannot stop a task, since
+  ``Signal.send`` swallows its exceptions). :func:`install` puts that
+  ``before_start`` on the class of every task of the app (each
+  ``@app.task`` has a class of its own), wrapping any ``before_start`` the
+  task defines, so custom ``base=`` classes are covered too.
+* **States.** ``succeeded`` (``task_success``) or ``failed`` with the error
+  as ``"<exception type>: <message>"``, at most :data:`ERROR_MAX_CHARS`
+  characters (``task_failure``; also sent by the worker's main process when
+  a pool process dies mid-task or hits its hard time limit, so those runs
+  are recorded ``failed`` with ``WorkerLostError``/``TimeLimitExceeded``).
+  A body that raises ``Ignore`` itself (``self.replace()``, say) is recorded
+  ``succeeded``: its own work is done.
+* **Heartbeat.** While a gated run executes, a daemon thread in that worker
+  process calls :meth:`~celery_anarchon.backends.base.Backend.extend` every
+  ``lease_ttl / 3`` seconds, keeping the run's lease ``lease_ttl`` ahead of
+  the backend's clock. A run whose lease expires (its worker died or froze)
+  is treated as dead by the scheduler's overlap logic (recorded ``lost``).
+* **Fork safety.** Each process builds its own backend client: after the
+  prefork pool forks a child (``worker_process_init``), the inherited
+  client is dropped without touching the parent's connections and a new
+  one is made on first use; a process id check catches any other fork.
+
+Retry (``self.retry()``): the same slot, not a new run. The retried message
+keeps the headers, so the plain gate would refuse it as a duplicate.
+A delivery with ``request.retries > 0`` passes the gate when the run is
+still ``running`` with its token (:meth:`Backend.extend`, i.e. running to
+running for that token), or, if the first attempt was never recorded,
+when ``mark(RUNNING)`` passes. While the retry waits for its countdown the
+lease is extended by that countdown plus ``lease_ttl``. A retry that reaches
+a worker after the run was recorded ``lost`` (the lease ran out, e.g. the
+retry sat in a busy queue for longer) is discarded.
+
+``acks_late`` redelivery (a worker died mid-task; the broker delivers the
+message again, to the same slot): the run is recorded ``running`` and the
+plain gate refuses it. For a task with ``acks_late``, the delivery then
+restarts the run when its lease has expired by the backend's clock (the
+worker that ran it stopped heartbeating: it is dead), atomically, so of two
+redeliveries one wins (:meth:`Backend.extend` with ``restart=True``), and
+is discarded while the lease is live (the first worker is still running it:
+e.g. a Redis broker's ``visibility_timeout`` shorter than the task). A Redis
+broker redelivers after ``visibility_timeout`` (1 hour by default), long
+after the lease expired: the run is restarted. RabbitMQ redelivers at once
+when the consumer's connection drops; if the worker's main process died,
+the lease is usually still live then, so the delivery is discarded and the
+run ends up ``lost``. Without ``acks_late`` a message is acked before it
+runs, so a crash loses the run (``lost``), as in plain Celery.
+
+Backend unavailable at the gate: the task runs and a WARNING is logged
+(availability; the default). A duplicate publish only happens in the rare
+window where a scheduler froze for longer than ``lease_ttl`` between its
+claim and its publish; refusing to run during a backend outage would turn
+every outage into missed runs instead. ``anarchon_worker_strict = True``
+discards the delivery instead (a missed run over a possible duplicate).
+
+Message expiry (``anarchon_expires``) is computed by :func:`expires_for`
+when the scheduler sends; Celery's worker then revokes a message that
+arrives after its expiry, and history keeps ``sent`` for that run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from celery import signals
+from celery.exceptions import Ignore
+
+from .backends import backend_from_url, scheme_of
+from .backends.base import Backend, Claim, State
+from .exceptions import AnarchonError
+from .settings import EXPIRES_NEXT_SLOT, JobOptions, Settings, parse_expires
+
+__all__ = [
+    "ERROR_MAX_CHARS",
+    "HEADER_JOB",
+    "HEADER_SLOT",
+    "HEADER_TOKEN",
+    "WorkerIntegration",
+    "claim_of",
+    "expires_for",
+    "install",
+    "integration_of",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Message headers the scheduler sets (DESIGN section 3).
+HEADER_JOB = "anarchon_job"
+HEADER_SLOT = "anarchon_slot"
+HEADER_TOKEN = "anarchon_token"
+
+#: Longest error text recorded for a failed run, characters.
+ERROR_MAX_CHARS = 1000
+
+#: Heartbeats per lease: a run's lease is extended every ``lease_ttl / 3``.
+HEARTBEATS_PER_LEASE = 3
+
+#: Marks the ``before_start`` functions :func:`install` puts on task classes.
+_GATE_MARK = "_anarchon_gate"
+
+#: Integrations by app (an app has at most one).
+_INSTALLED: weakref.WeakKeyDictionary[Any, WorkerIntegration] = weakref.WeakKeyDictionary()
+
+
+def install(app: Any) -> WorkerIntegration:
+    """Install the worker integration on Celery ``app``; idempotent.
+
+    Connects Celery's worker and task signals (filtered to ``app``) and puts
+    the start gate on every task's class once the app is finalized. Reads
+    the ``anarchon_*`` settings lazily, at worker start.
+
+    Returns:
+        the app's :class:`WorkerIntegration`.
+    """
+    integration = _INSTALLED.get(app)
+    if integration is None:
+        integration = WorkerIntegration(app)
+        _INSTALLED[app] = integration
+        integration.connect()
+    return integration
+
+
+def integration_of(app: Any) -> WorkerIntegration | None:
+    """The integration installed on ``app``, or None."""
+    return _INSTALLED.get(app)
+
+
+def claim_of(request: Any) -> Claim | None:
+    """The won claim a task request's anarchon headers describe, or None.
+
+    Celery puts a message's custom headers on the request context, both as
+    attributes and in ``request.headers``. A message without the headers, or
+    with a token of None, gives None (untouched by the integration); a
+    malformed slot is logged and gives None.
+    """
+    headers = getattr(request, "headers", None) or {}
+
+    def header(name: str) -> Any:
+        value = getattr(request, name, None)
+        return headers.get(name) if value is None else value
+
+    job, slot, token = header(HEADER_JOB), header(HEADER_SLOT), header(HEADER_TOKEN)
+    if job is None or slot is None or token is None:
+        return None
+    try:
+        slot_ms = int(slot)
+    except (TypeError, ValueError):
+        logger.warning(
+            "anarchon: task %s has a malformed %s header %r; running it unchecked",
+            getattr(request, "id", None),
+            HEADER_SLOT,
+            slot,
+        )
+        return None
+    return Claim(job=str(job), slot_ms=slot_ms, won=True, token=token)
+
+
+def expires_for(
+    expires: JobOptions | float | str | None, slot_ms: int, next_slot_ms: int | None
+) -> datetime | None:
+    """When the message of one run expires (Celery's ``expires`` option).
+
+    Args:
+        expires: a job's options (their ``expires``), or an ``anarchon_expires``
+            value: None (never), seconds counted from the slot's time, or
+            ``'next_slot'``.
+        slot_ms: the run's slot, epoch milliseconds (UTC).
+        next_slot_ms: the job's next slot after ``slot_ms``, epoch
+            milliseconds, or None when there is none.
+    Returns:
+        an aware UTC datetime, or None for no expiry (also for
+        ``'next_slot'`` when there is no next slot).
+    Raises:
+        ConfigurationError: a value that is none of those.
+    """
+    value = expires.expires if isinstance(expires, JobOptions) else expires
+    value = parse_expires(value, setting="anarchon_expires", job=None)
+    if value is None:
+        return None
+    if value == EXPIRES_NEXT_SLOT:
+        return None if next_slot_ms is None else _utc(next_slot_ms)
+    return _utc(slot_ms) + timedelta(seconds=float(value))
+
+
+def _utc(ms: int) -> datetime:
+    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
+
+
+def error_text(exc: BaseException | None) -> str:
+    """``"<exception type>: <message>"``, at most :data:`ERROR_MAX_CHARS`."""
+    if exc is None:
+        return "unknown error"
+    text = f"{type(exc).__name__}: {exc}"
+    if len(text) > ERROR_MAX_CHARS:
+        text = text[: ERROR_MAX_CHARS - 1] + "\u2026"
+    return text
+
+
+@dataclass(frozen=True)
+class _Run:
+    """A gated run executing in this process."""
+
+    claim: Claim
+    lease_ms: int
+
+
+class WorkerIntegration:
+    """The worker side of one Celery app: start gate, states, heartbeats.
+
+    Made by :func:`install`; one per app. Thread-safe: the heartbeat thread
+    and the task thread share the backend (redis-py and SQLAlchemy clients
+    are thread-safe).
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self._backend: Backend | None = None
+        self._backend_pid: int | None = None
+        self._backend_ready = False
+        self._settings: Settings | None = None
+        self._lease_ms: dict[str, int] = {}
+        self._runs: dict[str, _Run] = {}
+        self._backend_lock = threading.RLock()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._threads_pid = os.getpid()
+        self._stopping = False
+
+    # -- wiring --------------------------------------------------------------
+
+    def connect(self) -> None:
+        """Connect the signal receivers; put the gate on the tasks when the
+        app is (or once it is) finalized."""
+        uid = f"celery_anarchon.worker:{id(self)}"
+        signals.celeryd_after_setup.connect(self._on_worker_start, weak=False, dispatch_uid=uid)
+        signals.worker_process_init.connect(self._on_fork, weak=False, dispatch_uid=uid)
+        signals.worker_process_shutdown.connect(self._on_shutdown, weak=False, dispatch_uid=uid)
+        signals.worker_shutdown.connect(self._on_shutdown, weak=False, dispatch_uid=uid)
+        signals.task_success.connect(self._on_success, weak=False, dispatch_uid=uid)
+        signals.task_failure.connect(self._on_failure, weak=False, dispatch_uid=uid)
+        signals.task_retry.connect(self._on_retry, weak=False, dispatch_uid=uid)
+        signals.task_postrun.connect(self._on_postrun, weak=False, dispatch_uid=uid)
+        self.app.on_after_finalize.connect(self._gate_tasks, weak=False, dispatch_uid=uid)
+        if self.app.finalized:
+            self._gate_tasks()
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._forget_threads)
+
+    def _gate_tasks(self, *args: Any, **kwargs: Any) -> None:
+        """Put the start gate on the class of every task of the app."""
+        for task in list(self.app.tasks.values()):
+            _add_gate(type(task))
+
+    # -- the backend ---------------------------------------------------------
+
+    @property
+    def settings(self) -> Settings:
+        """The app's settings, read once.
+
+        Raises:
+            ConfigurationError: a bad setting.
+        """
+        if self._settings is None:
+            self._settings = Settings.from_app(self.app)
+        return self._settings
+
+    @property
+    def backend_pid(self) -> int | None:
+        """The process that built the current backend client, or None."""
+        return self._backend_pid
+
+    def backend(self) -> Backend:
+        """This process's backend, built (and opened) on first use; built
+        again in a process forked since.
+
+        Raises:
+            BackendUnavailable: it cannot be reached.
+            ConfigurationError: a bad setting or backend URL.
+        """
+        with self._backend_lock:
+            return self._open_backend()
+
+    def _open_backend(self) -> Backend:
+        if self._backend_pid != os.getpid():
+            self._drop_backend()
+        if self._backend is None:
+            settings = self.settings
+            self._backend = backend_from_url(
+                settings.backend,
+                instance=f"worker:{socket.gethostname()}:{os.getpid()}",
+                options=_backend_options(settings),
+                client=settings.backend_client,
+            )
+            self._backend_pid = os.getpid()
+            self._backend_ready = False
+        if not self._backend_ready:
+            self._backend.open()
+            self._backend_ready = True
+        return self._backend
+
+    def _drop_backend(self) -> None:
+        """Forget the backend client. One inherited from another process is
+        closed the fork-safe way each backend documents (a forked child's
+        ``close`` leaves the parent's sockets alone)."""
+        backend, self._backend = self._backend, None
+        self._backend_pid, self._backend_ready = None, False
+        if backend is not None:
+            try:
+                backend.close()
+            except Exception:  # pragma: no cover - best effort on a stale client
+                logger.debug("anarchon: closing an inherited backend failed", exc_info=True)
+
+    def lease_ms(self, job: str) -> int:
+        """The lease of ``job``'s runs, milliseconds: its ``lease_ttl`` from
+        ``beat_schedule[job]['anarchon']`` when the worker's config has the
+        entry, else ``anarchon_lease_ttl``."""
+        cached = self._lease_ms.get(job)
+        if cached is not None:
+            return cached
+        settings = self.settings
+        options = settings.defaults
+        entry = (self.app.conf.beat_schedule or {}).get(job)
+        if isinstance(entry, Mapping) and entry.get("anarchon"):
+            try:
+                options = settings.job_options(job, entry["anarchon"])
+            except AnarchonError as exc:
+                logger.warning("anarchon: %s; using the global lease_ttl", exc)
+        self._lease_ms[job] = value = max(1, int(round(options.lease_ttl * 1000)))
+        return value
+
+    # -- the start gate ------------------------------------------------------
+
+    def gate(self, task: Any) -> None:
+        """The start gate for the current request of ``task``.
+
+        Returns when the body may run (registering the run for heartbeats);
+        raises :class:`~celery.exceptions.Ignore` to discard the delivery.
+        A request without anarchon headers, an eager call, or a request
+        gated once already, passes untouched.
+
+        Raises:
+            Ignore: the slot already started, its token was superseded, or
+                (``anarchon_worker_strict``) the backend could not be asked.
+        """
+        request = task.request
+        if request is None or getattr(request, "is_eager", False):
+            return
+        if getattr(request, "_anarchon_gated", False):
+            return
+        request._anarchon_gated = True
+        claim = claim_of(request)
+        if claim is None:
+            return
+        task_id = str(request.id)
+        try:
+            lease_ms = self.lease_ms(claim.job)
+            started = self._pass_gate(claim, task, request, lease_ms)
+        except Exception as exc:  # backend down, bad setting, or a bug of ours
+            if self._strict():
+                logger.error(
+                    "anarchon: discarded %s @ %s (task %s): the start gate could not be "
+                    "checked (%s) and anarchon_worker_strict is set",
+                    claim.job,
+                    _iso(claim.slot_ms),
+                    task_id,
+                    exc,
+                )
+                raise Ignore() from None
+            logger.warning(
+                "anarchon: running %s @ %s (task %s) unchecked: the start gate could not "
+                "be checked (%s); a second delivery of this slot would run too",
+                claim.job,
+                _iso(claim.slot_ms),
+                task_id,
+                exc,
+            )
+            self._start(task_id, _Run(claim, self._fallback_lease_ms()))
+            return
+        if not started:
+            logger.warning(
+                "anarchon: discarded a delivery of %s @ %s (task %s, token %s): %s; "
+                "history keeps the first run's state",
+                claim.job,
+                _iso(claim.slot_ms),
+                task_id,
+                claim.token,
+                self._why_refused(claim),
+            )
+            raise Ignore()
+        self._start(task_id, _Run(claim, lease_ms))
+
+    def _pass_gate(self, claim: Claim, task: Any, request: Any, lease_ms: int) -> bool:
+        backend = self.backend()
+        if request.retries:
+            # A retry of a run that started: running -> running, same token.
+            if backend.extend(claim, lease_ms):
+                return True
+            return backend.mark(claim, State.RUNNING)
+        if backend.mark(claim, State.RUNNING):
+            return True
+        if getattr(task, "acks_late", False) and backend.extend(claim, lease_ms, restart=True):
+            logger.warning(
+                "anarchon: restarted %s @ %s (task %s): the run was recorded running but "
+                "its lease expired (the worker that started it stopped), and the task "
+                "has acks_late",
+                claim.job,
+                _iso(claim.slot_ms),
+                request.id,
+            )
+            return True
+        return False
+
+    def _why_refused(self, claim: Claim) -> str:
+        """Best effort, for the log: what the slot's record says."""
+        try:
+            records = [r for r in self.backend().history(claim.job) if r.slot_ms == claim.slot_ms]
+        except Exception:
+            return "the run already started or its token was superseded"
+        if not records:
+            return "the slot has no record (trimmed or released)"
+        current = records[0]
+        if current.token != claim.token:
+            return f"token superseded by {current.token} (record {current.state})"
+        return f"the run already started (record {current.state})"
+
+    def _strict(self) -> bool:
+        try:
+            return self.settings.worker_strict
+        except AnarchonError:
+            return False
+
+    def _fallback_lease_ms(self) -> int:
+        try:
+            return max(1, int(round(self.settings.defaults.lease_ttl * 1000)))
+        except AnarchonError:
+            return 30_000
+
+    # -- runs and heartbeats -------------------------------------------------
+
+    def _start(self, task_id: str, run: _Run) -> None:
+        with self._lock:
+            self._runs[task_id] = run
+            self._ensure_thread()
+        self._extend(task_id, run)
+        self._wake.set()
+
+    def _finish(self, task_id: str) -> _Run | None:
+        with self._lock:
+            return self._runs.pop(task_id, None)
+
+    def _ensure_thread(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stopping = False
+        self._thread = threading.Thread(
+            target=self._heartbeat_loop, name="anarchon-heartbeat", daemon=True
+        )
+        self._thread.start()
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stopping:
+            with self._lock:
+                runs = dict(self._runs)
+            interval = (
+                min(r.lease_ms for r in runs.values()) / HEARTBEATS_PER_LEASE / 1000
+                if runs
+                else None
+            )
+            if self._wake.wait(interval):
+                self._wake.clear()
+                continue
+            for task_id, run in runs.items():
+                self._extend(task_id, run)
+
+    def _extend(self, task_id: str, run: _Run) -> None:
+        """Extend one run's lease; forget the run when it is no longer ours."""
+        with self._lock:
+            if self._runs.get(task_id) != run:
+                return  # finished meanwhile
+        try:
+            if self.backend().extend(run.claim, run.lease_ms):
+                return
+        except Exception as exc:
+            logger.warning(
+                "anarchon: heartbeat of %s @ %s failed: %s",
+                run.claim.job,
+                _iso(run.claim.slot_ms),
+                exc,
+            )
+            return
+        with self._lock:
+            if self._runs.get(task_id) != run:
+                return  # finished meanwhile
+            del self._runs[task_id]
+        logger.warning(
+            "anarchon: %s @ %s (task %s) is no longer running under token %s (its lease "
+            "expired and it was recorded lost, or the slot was taken over); the task "
+            "goes on, its outcome will not be recorded",
+            run.claim.job,
+            _iso(run.claim.slot_ms),
+            task_id,
+            run.claim.token,
+        )
+
+    # -- signal receivers ----------------------------------------------------
+
+    def _ours(self, task: Any) -> bool:
+        return getattr(task, "app", None) is self.app
+
+    def _on_worker_start(self, instance: Any = None, **kwargs: Any) -> None:
+        """Worker start (main process, ``celeryd_after_setup``: logging is
+        set up, the pool not started yet): gate every task, including any
+        registered after the app was finalized, then build and open the
+        backend so a bad setting shows at start-up, not at the first run.
+        """
+        if getattr(instance, "app", None) is not self.app:
+            return
+        self._gate_tasks()
+        try:
+            backend = self.backend()
+        except Exception as exc:
+            logger.error("anarchon: worker integration: backend not ready: %s", exc)
+            return
+        logger.info("anarchon: worker integration ready: %s", backend.describe())
+
+    def _on_fork(self, **kwargs: Any) -> None:
+        """A pool process started: never use the parent's client here (the
+        solo pool sends this signal in the worker's own process: no-op)."""
+        if self._threads_pid != os.getpid():
+            self._forget_threads()
+        if self._backend_pid not in (None, os.getpid()):
+            self._drop_backend()
+
+    def _forget_threads(self) -> None:
+        """In a forked child: the parent's threads do not exist here, and a
+        lock one of them held would stay held."""
+        self._backend_lock = threading.RLock()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread = None
+        self._threads_pid = os.getpid()
+        self._runs = {}
+
+    def _on_shutdown(self, **kwargs: Any) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._backend_pid == os.getpid():
+            self._drop_backend()
+
+    def _on_success(self, sender: Any = None, **kwargs: Any) -> None:
+        if self._ours(sender):
+            self._record(sender.request, State.SUCCEEDED)
+
+    def _on_failure(
+        self, sender: Any = None, exception: BaseException | None = None, **kwargs: Any
+    ) -> None:
+        if self._ours(sender):
+            self._record(sender.request, State.FAILED, error=error_text(exception))
+
+    def _on_retry(
+        self, sender: Any = None, request: Any = None, reason: Any = None, **kwargs: Any
+    ) -> None:
+        """A retry is coming: keep the run's lease until it can start."""
+        if not self._ours(sender) or request is None:
+            return
+        claim = claim_of(request)
+        if claim is None:
+            return
+        self._finish(str(request.id))  # no heartbeat may shorten the lease now
+        delay_ms = _retry_delay_ms(getattr(reason, "when", None))
+        try:
+            self.backend().extend(claim, self.lease_ms(claim.job) + delay_ms)
+        except Exception as exc:
+            logger.warning(
+                "anarchon: could not keep %s @ %s running for its retry: %s",
+                claim.job,
+                _iso(claim.slot_ms),
+                exc,
+            )
+
+    def _on_postrun(
+        self, sender: Any = None, task_id: str | None = None, state: str | None = None, **kw: Any
+    ) -> None:
+        if not self._ours(sender) or task_id is None:
+            return
+        run = self._finish(str(task_id))
+        if run is not None and state == "IGNORED":
+            # The body raised Ignore itself (self.replace(), say): its part is done.
+            self._mark(run.claim, State.SUCCEEDED, str(task_id))
+
+    def _record(self, request: Any, state: State, error: str | None = None) -> None:
+        if request is None or getattr(request, "is_eager", False):
+            return
+        claim = claim_of(request)
+        if claim is None:
+            return
+        self._finish(str(request.id))
+        self._mark(claim, state, str(request.id), error)
+
+    def _mark(self, claim: Claim, state: State, task_id: str, error: str | None = None) -> None:
+        try:
+            done = self.backend().mark(claim, state, error=error)
+        except Exception as exc:
+            logger.error(
+                "anarchon: could not record %s for %s @ %s (task %s): %s",
+                state,
+                claim.job,
+                _iso(claim.slot_ms),
+                task_id,
+                exc,
+            )
+            return
+        if not done:
+            logger.warning(
+                "anarchon: %s @ %s (task %s) finished %s, but its record no longer "
+                "takes it (recorded lost, or the token was superseded)",
+                claim.job,
+                _iso(claim.slot_ms),
+                task_id,
+                state,
+            )
+
+
+def _add_gate(cls: type) -> None:
+    """Put the start gate in front of ``cls.before_start`` (once)."""
+    if getattr(cls.__dict__.get("before_start"), _GATE_MARK, False):
+        return
+    original = cls.before_start  # type: ignore[attr-defined]
+
+    def before_start(self: Any, task_id: str, args: Any, kwargs: Any) -> Any:
+        integration = _INSTALLED.get(self.app)
+        if integration is not None:
+            integration.gate(self)
+        return original(self, task_id, args, kwargs)
+
+    setattr(before_start, _GATE_MARK, True)
+    before_start.__doc__ = original.__doc__
+    before_start.__qualname__ = f"{cls.__qualname__}.before_start"
+    cls.before_start = before_start  # type: ignore[attr-defined]
+
+
+def _retry_delay_ms(when: Any) -> int:
+    """A retry's countdown (seconds) or eta (datetime) as ms from now."""
+    if isinstance(when, datetime):
+        target = when if when.tzinfo else when.replace(tzinfo=timezone.utc)
+        return max(0, int((target - datetime.now(timezone.utc)).total_seconds() * 1000))
+    if isinstance(when, (int, float)) and not isinstance(when, bool):
+        return max(0, int(when * 1000))
+    return 0
+
+
+def _backend_options(settings: Settings) -> dict[str, Any]:
+    """Backend options as the scheduler builds them (``allow_eviction``
+    passed to Redis backends)."""
+    options = dict(settings.backend_options)
+    if settings.allow_eviction and scheme_of(settings.backend or "x://") in {
+        "redis",
+        "rediss",
+        "redis+sentinel",
+        "sentinel",
+    }:
+        options.setdefault("allow_eviction", True)
+    return options
+
+
+def _iso(ms: int) -> str:
+    return _utc(ms).isoformat(timespec="milliseconds").replace("+00:00", "Z")
