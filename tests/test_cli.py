@@ -40,6 +40,34 @@ from .conftest import MYSQL_URL, POSTGRES_URL, REDIS_URL, require_service
 REGISTRY_TTL_S = 10
 
 
+#: Every Redis key these tests write starts with this (deleted at the end).
+REDIS_PREFIX = f"anarchon-cli:{uuid.uuid4().hex[:8]}:"
+
+
+def redis_backend() -> str:
+    """A Redis backend URL with a namespace of its own."""
+    return f"{REDIS_URL}?prefix={REDIS_PREFIX}{uuid.uuid4().hex[:8]}:"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _clean_redis() -> Iterator[None]:
+    yield
+    delete_redis_keys(REDIS_URL, f"*{REDIS_PREFIX}*")
+
+
+def delete_redis_keys(url: str, pattern: str) -> None:
+    """Delete the keys matching ``pattern`` (nothing when Redis is down)."""
+    import redis
+
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=2)
+        for key in client.scan_iter(match=pattern, count=1000):
+            client.delete(key)
+        client.close()
+    except redis.RedisError:
+        pass
+
+
 def make_app(**conf: Any) -> Celery:
     """An app like ``tests.beat_app``'s, with ``conf`` on top."""
     app = Celery("itest")
@@ -206,7 +234,7 @@ def test_a_broken_configuration_exits_4_and_points_to_check() -> None:
 @pytest.mark.services
 def test_an_unknown_job_is_a_usage_error() -> None:
     require_service("redis")
-    app = make_app(anarchon_backend=f"{REDIS_URL}?prefix=anarchon-cli:{uuid.uuid4().hex[:8]}:")
+    app = make_app(anarchon_backend=redis_backend())
     for command in ("history", "last-run", "run-now"):
         result = invoke(app, command, "every-secnd")
         assert result.exit_code == EXIT_USAGE, result.output
@@ -226,7 +254,7 @@ def test_run_now_sends_once_per_key_and_shows_in_history(name: str, tmp_path: Pa
         "sqlite": f"sqlite:///{tmp_path / 'claims.db'}",
         "postgresql": f"{POSTGRES_URL}?prefix=cli{run}_",
         "mysql": f"{MYSQL_URL}?prefix=cli{run}_",
-        "redis": f"{REDIS_URL}?prefix=anarchon-cli:{run}:",
+        "redis": redis_backend(),
     }[name]
     queue = f"cli-{run}"
     app = make_app(anarchon_backend=url, task_default_queue=queue)
@@ -271,7 +299,7 @@ def test_status_warns_about_clock_skew_and_definitions_that_differ() -> None:
     """Two registered instances (written straight into a real Redis
     registry): one clock 30 s ahead, one job defined differently."""
     require_service("redis")
-    url = f"{REDIS_URL}?prefix=anarchon-cli:{uuid.uuid4().hex[:8]}:"
+    url = redis_backend()
     app = make_app(anarchon_backend=url, anarchon_max_skew=10)
     backend = backend_from_url(url, instance="status-test")
     backend.open()
@@ -316,7 +344,7 @@ def test_status_warns_about_clock_skew_and_definitions_that_differ() -> None:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BeatCluster]:
     """Two real beats on Redis, running until each job has history."""
     require_service("redis")
-    url = f"{REDIS_URL}?prefix=anarchon-cli:{uuid.uuid4().hex[:8]}:"
+    url = redis_backend()
     beats = BeatCluster(
         url, tmp_path_factory.mktemp("beats"), conf={"anarchon_registry_ttl": REGISTRY_TTL_S}
     )
@@ -331,6 +359,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BeatCluster]:
         yield beats
     finally:
         beats.stop()
+        delete_redis_keys(BROKER, beats.queue)  # the messages the beats sent
 
 
 def cluster_app(beats: BeatCluster) -> Celery:

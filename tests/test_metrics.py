@@ -23,6 +23,7 @@ from celery_anarchon.metrics import Metrics, PrometheusMetrics, metrics_config, 
 from .beat_app import SCHEDULES
 from .beats import BeatCluster
 from .conftest import REDIS_URL, require_service
+from .test_cli import delete_redis_keys
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -172,7 +173,8 @@ def test_two_real_beats_count_every_send_once(tmp_path: Path) -> None:
     just before the scrape and the claims it held just after; lateness and
     backend round trips are observed; no backend errors."""
     require_service("redis")
-    backend_url = f"{REDIS_URL}?prefix=anarchon-metrics:{uuid.uuid4().hex[:8]}:"
+    prefix = f"anarchon-metrics:{uuid.uuid4().hex[:8]}:"
+    backend_url = f"{REDIS_URL}?prefix={prefix}"
     ports = [free_port(), free_port()]
     clusters: list[BeatCluster] = []
     for index, port in enumerate(ports):
@@ -197,6 +199,8 @@ def test_two_real_beats_count_every_send_once(tmp_path: Path) -> None:
         for cluster in clusters:
             cluster.stop()
         backend.close()
+        delete_redis_keys(clusters[0].broker, clusters[0].queue)
+        delete_redis_keys(REDIS_URL, f"*{prefix}*")
     for cluster in clusters:
         assert cluster.procs[0].returncode == 0, cluster.logs()
     for pid, port in pid_of.items():
