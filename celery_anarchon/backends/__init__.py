@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import importlib
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from kombu.utils.url import maybe_sanitize_url
 
@@ -98,8 +98,10 @@ def split_options(url: str) -> tuple[str, dict[str, str]]:
             ours[key] = value
         else:
             kept.append((key, value))
-    query = "&".join(f"{k}={v}" for k, v in kept)
-    return parts._replace(query=query).geturl(), ours
+    # Rebuilt by hand: urlunsplit drops the empty host of sqlite:////abs/path.
+    base = url.split("?", 1)[0]
+    query = urlencode(kept, safe=":/;,")
+    return (f"{base}?{query}" if query else base), ours
 
 
 def backend_from_url(

@@ -1212,7 +1212,7 @@ def _parse_url(url: str) -> URL:
         ConfigurationError: unparsable, unknown driver, or in-memory SQLite.
     """
     try:
-        parsed = sa.engine.make_url(_repair_sqlite_url(url))
+        parsed = sa.engine.make_url(url)
     except sa.exc.ArgumentError as exc:
         raise ConfigurationError(
             f"anarchon_backend: cannot parse {sanitize_url(url)!r} as an SQL URL: {exc}"
@@ -1231,25 +1231,6 @@ def _parse_url(url: str) -> URL:
             "file, e.g. 'sqlite:////var/lib/celery/anarchon.db'."
         )
     return parsed
-
-
-def _repair_sqlite_url(url: str) -> str:
-    """Undo what ``urlsplit``/``urlunsplit`` do to a SQLite URL, which has
-    an empty host: ``backends.split_options`` hands over ``sqlite:////a/b``
-    as ``sqlite://a/b`` and ``sqlite:///a`` as ``sqlite:/a``.
-
-    A URL with ``sqlite:`` not followed by ``//`` cannot be parsed, and a
-    host in a SQLite URL means nothing (SQLAlchemy ignores it), so neither
-    repair can change the meaning of a URL that arrived intact.
-    """
-    scheme, sep, rest = url.partition(":")
-    if scheme.lower() != "sqlite" or not sep:
-        return url
-    if not rest.startswith("//"):
-        return f"{scheme}://{rest}"
-    if rest != "//" and not rest.startswith("///"):
-        return f"{scheme}:////{rest[2:]}"
-    return url
 
 
 def _in_memory(url: URL) -> bool:
