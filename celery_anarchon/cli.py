@@ -586,11 +586,10 @@ def status(ctx: click.Context, as_json: bool) -> None:
                 "claim-only backend: no instance registry is kept, so live instances "
                 "cannot be listed (use a lease backend to see them)"
             )
-        if probe.host_offset_ms is not None and abs(probe.host_offset_ms) > 1000 * (
-            report.max_skew_s
-        ):
+        host_offset = probe.host_offset_ms
+        if host_offset is not None and abs(host_offset) > report.max_skew_s * 1000:
             report.notes.append(
-                f"this host's clock is {probe.host_offset_ms / 1000:+.1f}s off the backend's "
+                f"this host's clock is {host_offset / 1000:+.1f}s off the backend's "
                 f"(more than max_skew={report.max_skew_s:g}s): do not run beat here before "
                 "syncing it (NTP)"
             )
