@@ -52,10 +52,13 @@ keeps the headers, so the plain gate would refuse it as a duplicate.
 A delivery with ``request.retries > 0`` passes the gate when the run is
 still ``running`` with its token (:meth:`Backend.extend`, i.e. running to
 running for that token), or, if the first attempt was never recorded,
-when ``mark(RUNNING)`` passes. While the retry waits for its countdown the
-lease is extended by that countdown plus ``lease_ttl``. A retry that reaches
-a worker after the run was recorded ``lost`` (the lease ran out, e.g. the
-retry sat in a busy queue for longer) is discarded.
+when ``mark(RUNNING)`` passes. A *redelivered* retry message (its worker
+died, or a Redis ``visibility_timeout`` ran out while it ran) is gated like
+any ``acks_late`` redelivery below, so it never runs beside a live attempt.
+While the retry waits for its countdown the lease is extended by that
+countdown plus ``lease_ttl``. A retry that reaches a worker after the run
+was recorded ``lost`` (the lease ran out, e.g. the retry sat in a busy queue
+for longer) is discarded.
 
 ``acks_late`` redelivery (a worker died mid-task; the broker delivers the
 message again, to the same slot): the run is recorded ``running`` and the
@@ -426,7 +429,7 @@ class WorkerIntegration:
 
     def _pass_gate(self, claim: Claim, task: Any, request: Any, lease_ms: int) -> bool:
         backend = self.backend()
-        if request.retries:
+        if request.retries and not _redelivered(request):
             # A retry of a run that started: running -> running, same token.
             if backend.extend(claim, lease_ms):
                 return True
@@ -672,6 +675,13 @@ def _add_gate(cls: type) -> None:
     before_start.__doc__ = original.__doc__
     before_start.__qualname__ = f"{cls.__qualname__}.before_start"
     cls.before_start = before_start  # type: ignore[attr-defined]
+
+
+def _redelivered(request: Any) -> bool:
+    """Whether the broker delivers this message again (after a consumer
+    died, or a Redis ``visibility_timeout``), not for the first time."""
+    delivery_info = getattr(request, "delivery_info", None) or {}
+    return bool(delivery_info.get("redelivered") or getattr(request, "redelivered", False))
 
 
 def _retry_delay_ms(when: Any) -> int:

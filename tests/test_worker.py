@@ -553,5 +553,22 @@ def test_install_gates_every_task_class_once_and_wraps_its_own_before_start(
         assert seen == ["t1"]
     finally:
         task.pop_request()
+    # A retry of the running run passes (running -> running, same token) ...
+    task.push_request(id="t1", headers=headers, retries=1, is_eager=False)
+    try:
+        task.before_start("t1", (), {})
+        assert seen == ["t1", "t1"]
+    finally:
+        task.pop_request()
+    # ... but not a redelivered retry while the run's lease is live.
+    redelivered = {"redelivered": True}
+    task.push_request(
+        id="t1", headers=headers, retries=1, is_eager=False, delivery_info=redelivered
+    )
+    try:
+        with pytest.raises(Ignore):
+            task.before_start("t1", (), {})
+    finally:
+        task.pop_request()
         integration._finish("t1")
     claimer.close()
