@@ -339,6 +339,25 @@ def test_a_retry_is_the_same_run_again(harness: Harness) -> None:
     assert [run[0] for run in lines(path)] == ["attempt-0", "attempt-1"]
 
 
+def test_an_expired_message_is_not_run_and_stays_sent(harness: Harness) -> None:
+    """``anarchon_expires = 'next_slot'``: a run's message that reaches a
+    worker after the job's next slot is revoked by Celery, never run; its
+    history stays ``sent``. A fresh one runs."""
+    _, stale = harness.claim(new_job())
+    _, fresh = harness.claim(new_job())
+    path = harness.path()
+    expired = expires_for("next_slot", stale.slot_ms - 60_000, stale.slot_ms - 1_000)
+    harness.send(stale, "itest.record", path, "stale", expires=expired)
+    later = expires_for("next_slot", fresh.slot_ms, fresh.slot_ms + 60_000)
+    harness.send(fresh, "itest.record", path, "fresh", expires=later)
+    assert harness.wait_state(fresh, FINISHED).state is State.SUCCEEDED
+    harness.worker.wait_for_log(
+        f"revoked task: itest.record[{task_id_for(stale.job, stale.slot_ms)}]"
+    )
+    assert harness.record(stale.job, stale.slot_ms).state is State.SENT
+    assert [run[0] for run in lines(path)] == ["fresh"]
+
+
 def test_tasks_without_anarchon_headers_are_untouched(harness: Harness) -> None:
     path = harness.path()
     harness.app.send_task("itest.record", (path, "plain"))
