@@ -93,7 +93,6 @@ import logging
 import os
 import socket
 import threading
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -135,8 +134,9 @@ HEARTBEATS_PER_LEASE = 3
 #: Marks the ``before_start`` functions :func:`install` puts on task classes.
 _GATE_MARK = "_anarchon_gate"
 
-#: Integrations by app (an app has at most one).
-_INSTALLED: weakref.WeakKeyDictionary[Any, WorkerIntegration] = weakref.WeakKeyDictionary()
+#: Integrations by app (an app has at most one; apps live as long as their
+#: process, and so do their integrations).
+_INSTALLED: dict[Any, WorkerIntegration] = {}
 
 
 def install(app: Any) -> WorkerIntegration:
@@ -193,14 +193,14 @@ def claim_of(request: Any) -> Claim | None:
 
 
 def expires_for(
-    expires: JobOptions | float | str | None, slot_ms: int, next_slot_ms: int | None
+    expires: JobOptions | float | timedelta | str | None, slot_ms: int, next_slot_ms: int | None
 ) -> datetime | None:
     """When the message of one run expires (Celery's ``expires`` option).
 
     Args:
         expires: a job's options (their ``expires``), or an ``anarchon_expires``
-            value: None (never), seconds counted from the slot's time, or
-            ``'next_slot'``.
+            value: None (never), seconds (or a timedelta) counted from the
+            slot's time, or ``'next_slot'``.
         slot_ms: the run's slot, epoch milliseconds (UTC).
         next_slot_ms: the job's next slot after ``slot_ms``, epoch
             milliseconds, or None when there is none.
