@@ -13,6 +13,7 @@ is never sent (DESIGN section 3).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import heapq
@@ -38,6 +39,7 @@ from .exceptions import BackendUnavailable, ConfigurationError
 from .metrics import Metrics, metrics_from_app
 from .settings import JobOptions, Settings, seconds
 from .slots import Slots, cron, definition, first_slot, oneoff, slots_for
+from .worker import expires_for
 
 __all__ = ["Entry", "Job", "Scheduler", "build_jobs", "send_slot", "task_id_for"]
 
@@ -59,10 +61,11 @@ REGISTRY_TTL = 30.0
 BACKOFF_MIN = 1.0
 BACKOFF_MAX = 30.0
 
-#: Kinds of heap events: claim a job's next slot; check whether a lost
+#: Kinds of heap events: a job's next slot is due; claim a slot after this
+#: instance's claim delay; check whether a lost
 #: slot's owner died (backup runner); claim a slot missed while every
 #: instance was down (catch-up).
-CLAIM, TAKE_OVER, CATCH_UP = 0, 1, 2
+DUE, CLAIM, TAKE_OVER, CATCH_UP = 0, 1, 2, 3
 
 #: How long a run that was sent but never started counts as in flight for
 #: ``overlap='skip'``, seconds (a worker backlog of up to an hour).
@@ -75,8 +78,10 @@ NOT_RUN = frozenset({State.MISSED, State.SKIPPED})
 TICK_BUDGET = 1.0
 
 #: Most missed slots of one job recorded one by one after a long stall; the
-#: rest are counted in the log line.
+#: rest are counted in the log line, up to MAX_MISSES_COUNTED, past which the
+#: job skips ahead without counting (a stall of days for a 1 ms interval).
 MAX_MISSES_RECORDED = 100
+MAX_MISSES_COUNTED = 1_000_000
 
 
 def task_id_for(job: str, slot_ms: int) -> str:
@@ -271,6 +276,7 @@ def send_slot(
     token: int | str | None,
     task_id: str,
     producer: Any = None,
+    expires: datetime | None = None,
 ) -> Any:
     """Send ``entry``'s task for one slot through Celery's own path.
 
@@ -293,6 +299,8 @@ def send_slot(
         anarchon_token=token,
     )
     options.pop("task_id", None)
+    if expires is not None:  # anarchon_expires; the entry's own option wins
+        options.setdefault("expires", expires)
     args = beat._evaluate_entry_args(entry.args)
     kwargs = beat._evaluate_entry_kwargs(entry.kwargs)
     task = app.tasks.get(entry.task)
@@ -527,12 +535,11 @@ class Scheduler(beat.Scheduler):
     # -- the heap ----------------------------------------------------------
 
     def _push(self, job: Job) -> None:
-        """Schedule the claim of ``job``'s next slot (never slept in the
-        tick): at the slot when this instance is the slot's preferred owner,
-        else after a delay in ``[0, jitter]``."""
+        """Plan ``job``'s next slot: a ``DUE`` event at the slot itself. The
+        claim then happens at once or after this instance's claim delay
+        (:meth:`_claim_delay_ms`), scheduled in the heap, never slept."""
         if job.next_slot_ms is not None:
-            slot = job.next_slot_ms
-            self._push_event(slot + self._claim_delay_ms(job, slot), CLAIM, job.name, slot)
+            self._push_event(job.next_slot_ms, DUE, job.name, job.next_slot_ms)
 
     def _push_event(self, due_ms: int, kind: int, name: str, slot_ms: int) -> None:
         self._seq += 1
@@ -565,7 +572,7 @@ class Scheduler(beat.Scheduler):
             job = self._jobs.get(name)
             if job is None:
                 continue
-            if kind == CLAIM and job.next_slot_ms != slot_ms:
+            if kind == DUE and job.next_slot_ms != slot_ms:
                 continue  # stale: the job moved on
             due.append((kind, job, slot_ms))
         return due
@@ -610,19 +617,32 @@ class Scheduler(beat.Scheduler):
 
     def _process(self, due: Sequence[tuple[int, Job, int]]) -> None:
         """Act on one round of due events: record misses, claim the rest in
-        one batch, take over expired leases, send what was won."""
+        one batch, take over expired leases, send what was won.
+
+        A job's next slot is planned as soon as its current slot is due
+        (``DUE``), whatever this instance's claim delay for the current one,
+        so a job more frequent than the jitter never falls behind.
+        """
         assert self._settings is not None
         now_ms = self._now_ms()
         to_claim: list[tuple[Job, int, bool]] = []
         for kind, job, slot_ms in due:
+            late = now_ms > slot_ms + _ms(job.options.max_late)
             if kind == TAKE_OVER:
                 self._take_over(job, slot_ms, now_ms)
             elif kind == CATCH_UP:
                 to_claim.append((job, slot_ms, True))
-            elif now_ms > slot_ms + _ms(job.options.max_late):
+            elif kind == DUE and late:
                 self._record_missed(job, slot_ms, now_ms)
+            elif kind == CLAIM and late:
+                self._record_misses(job, [slot_ms], 1)
             else:
-                self._advance(job, slot_ms)
+                if kind == DUE:
+                    self._advance(job, slot_ms)
+                    claim_at = slot_ms + self._claim_delay_ms(job, slot_ms)
+                    if claim_at > now_ms:
+                        self._push_event(claim_at, CLAIM, job.name, slot_ms)
+                        continue
                 if job.options.overlap == "skip" and self._skip_for_overlap(job, slot_ms):
                     continue
                 to_claim.append((job, slot_ms, False))
@@ -827,6 +847,7 @@ class Scheduler(beat.Scheduler):
                 token=claim.token,
                 task_id=task_id,
                 producer=self.producer,
+                expires=self._expires(job, claim.slot_ms),
             )
         except Exception as exc:
             logger.error(
@@ -856,6 +877,13 @@ class Scheduler(beat.Scheduler):
                 job.name,
                 _iso(claim.slot_ms),
             )
+
+    def _expires(self, job: Job, slot_ms: int) -> datetime | None:
+        """The message expiry of ``job``'s run at ``slot_ms`` (anarchon_expires)."""
+        if job.options.expires is None:
+            return None
+        following = job.slots.next_after(slot_ms) if job.options.expires == "next_slot" else None
+        return expires_for(job.options, slot_ms, following)
 
     def _still_holds(self, claim: Claim) -> bool:
         """True when ``claim``'s token is still the slot's current one."""
@@ -887,36 +915,43 @@ class Scheduler(beat.Scheduler):
 
     def _record_missed(self, job: Job, slot_ms: int, now_ms: int) -> None:
         """Record ``slot_ms`` and every later slot already past ``max_late``
-        as missed (where nobody else acted on them), then plan the next one."""
-        assert self._settings is not None
+        as missed (where nobody else acted on them), then plan the next one.
+
+        Only the newest :data:`MAX_MISSES_RECORDED` (at most
+        ``history_size``) are written one by one; the log line counts all.
+        """
         late_ms = _ms(job.options.max_late)
-        missed: list[int] = []
-        skipped = 0
+        newest: collections.deque[int] = collections.deque(maxlen=MAX_MISSES_RECORDED)
+        total = 0
         slot: int | None = slot_ms
-        while slot is not None and now_ms > slot + late_ms:
-            if len(missed) < MAX_MISSES_RECORDED:
-                missed.append(slot)
-            else:
-                skipped += 1
-                if skipped > 1_000_000:  # a bounded loop, even for a 1 ms interval
-                    break
+        while slot is not None and now_ms > slot + late_ms and total < MAX_MISSES_COUNTED:
+            newest.append(slot)
+            total += 1
             slot = job.slots.next_after(slot)
+        while slot is not None and now_ms > slot + late_ms:  # beyond the count: skip ahead
+            slot = job.slots.next_after(max(slot, now_ms - late_ms))
         job.next_slot_ms = slot
         self._push(job)
-        recorded = 0
-        for slot in missed[-job.options.history_size :]:
-            if self._record_if_absent(job, slot, State.MISSED, "later than max_late"):
-                recorded += 1
-        if recorded or skipped:
-            self.metrics.missed(job.name, recorded + skipped)
+        self._record_misses(job, list(newest), total)
+
+    def _record_misses(self, job: Job, slots: Sequence[int], total: int) -> None:
+        """Write ``missed`` for ``slots`` (newest ``history_size`` of them) and
+        log one warning counting ``total`` missed slots."""
+        recorded = sum(
+            self._record_if_absent(job, slot, State.MISSED, "later than max_late")
+            for slot in slots[-job.options.history_size :]
+        )
+        if recorded:
+            self.metrics.missed(job.name, recorded)
+            unrecorded = total - len(slots[-job.options.history_size :])
             logger.warning(
                 "anarchon: missed %d slot(s) of %s (last %s): this instance was more "
                 "than max_late=%ss behind%s",
-                recorded + skipped,
+                recorded + unrecorded,
                 job.name,
-                _iso(missed[-1]),
+                _iso(slots[-1]),
                 job.options.max_late,
-                f"; {skipped} older ones not recorded one by one" if skipped else "",
+                f"; {unrecorded} older ones not recorded one by one" if unrecorded else "",
             )
 
     def _record_if_absent(self, job: Job, slot_ms: int, state: State, error: str) -> bool:

@@ -235,3 +235,25 @@ def test_apply_entry_never_raises(t0: float, tmp_path: Path, every_second: dict[
         s.apply_entry(s.schedule["tick"], producer=None)
     finally:
         s.close()
+
+
+def test_a_job_more_frequent_than_the_jitter_never_falls_behind(
+    t0: float, tmp_path: Path, every_second: dict[str, Any]
+) -> None:
+    # Claim delays up to 5 s on a one-second job: each slot's claim waits in
+    # the heap while the job's next slots keep falling due on time.
+    app = make_app(tmp_path, every_second, anarchon_jitter=5, anarchon_max_late=10)
+    clock = Clock(t0 - 10)
+    s = Scheduler(app, clock=clock)
+    try:
+        for step in range(0, 7):
+            clock.now = t0 + step
+            s.tick()
+            assert s.jobs["tick"].next_slot_ms == int((t0 + step + 1) * 1000)
+        clock.now = t0 + 12
+        s.tick()
+        sent = sorted(h["anarchon_slot"] for h in sent_messages(app))
+        window = [x for x in sent if t0 * 1000 <= x < (t0 + 7) * 1000]
+        assert window == [int((t0 + i) * 1000) for i in range(7)]  # every one, none missed
+    finally:
+        s.close()
