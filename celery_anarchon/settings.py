@@ -301,9 +301,11 @@ def _check_jitter(options: JobOptions, job: str | None) -> None:
     """A claim is delayed up to ``jitter`` after the slot and a slot later
     than ``max_late`` is missed, so jitter must stay below max_late."""
     if options.jitter >= options.max_late:
-        prefix = _where(job) if job else "anarchon_"
+        jitter, max_late = (
+            ("jitter", "max_late") if job else ("anarchon_jitter", "anarchon_max_late")
+        )
         raise ConfigurationError(
-            f"{prefix}jitter ({options.jitter}s) must be below {prefix}max_late "
+            f"{_where(job)}{jitter} ({options.jitter}s) must be below {max_late} "
             f"({options.max_late}s): a claim delayed by the jitter would be recorded as "
             "missed. Lower the jitter or raise max_late."
         )

@@ -29,6 +29,7 @@ and nothing more.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -201,6 +202,13 @@ class InstanceInfo:
     fingerprint: str = ""
     jobs: dict[str, str] = field(default_factory=dict)
     clock_ms: int | None = None
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> InstanceInfo:
+        """Build from stored fields, ignoring any this version does not know
+        (a newer instance may store more)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in fields.items() if k in known})
 
 
 class Backend(abc.ABC):

@@ -1108,7 +1108,7 @@ def _record(job: str, run: dict[str, Any]) -> RunRecord:
 
 def _instance(info: str | bytes, heartbeat_ms: str | bytes) -> InstanceInfo:
     fields = json.loads(info)
-    return InstanceInfo(**{**fields, "heartbeat_ms": int(heartbeat_ms)})
+    return InstanceInfo.from_dict({**fields, "heartbeat_ms": int(heartbeat_ms)})
 
 
 def _text(value: str | bytes) -> str:

@@ -976,7 +976,10 @@ class SQLBackend(Backend):
             rows = conn.execute(
                 sa.select(table.c.info, table.c.heartbeat_ms).where(table.c.expires_ms > now)
             ).all()
-        found = [InstanceInfo(**{**json.loads(info), "heartbeat_ms": beat}) for info, beat in rows]
+        found = [
+            InstanceInfo.from_dict({**json.loads(info), "heartbeat_ms": beat})
+            for info, beat in rows
+        ]
         return sorted(found, key=lambda i: (i.started_ms, i.instance))
 
     # -- trimming ------------------------------------------------------------
