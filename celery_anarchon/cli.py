@@ -55,9 +55,9 @@ from .scheduler import (
     HEARTBEAT_INTERVAL,
     Entry,
     Job,
-    Scheduler,
     app_zone,
     build_jobs,
+    check_backend_supports,
     registry_ttl,
 )
 from .settings import Settings
@@ -855,23 +855,20 @@ def _check_backend(
     """Build the backend as beat would (no connection) and check each job
     against what it supports. Uses the scheduler's own start-up checks so
     that ``check`` refuses exactly what beat refuses."""
-    scheduler = Scheduler(app, lazy=True, schedule_filename=schedule_filename)
     try:
         backend = backend_from_url(
             settings.backend,
             instance="anarchon-check",
-            options=scheduler._backend_options(settings),
+            options=settings.effective_backend_options(),
             client=settings.backend_client,
         )
     except ConfigurationError as exc:
         result.problem("anarchon_backend", str(exc))
         return None
     result.backend = backend.describe()
-    scheduler._backend = backend
-    scheduler._settings = settings
     for job in jobs.values():
         try:
-            scheduler._check_backend_supports(job)
+            check_backend_supports(backend, settings, job)
         except ConfigurationError as exc:
             result.problem(f"beat_schedule[{job.name!r}]", str(exc))
     if getattr(backend, "kind", None) == "sqlite":

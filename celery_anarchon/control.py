@@ -89,7 +89,7 @@ class Control:
         self.backend = backend or backend_from_url(
             self.settings.backend,
             instance=self.instance_id,
-            options=dict(self.settings.backend_options),
+            options=self.settings.effective_backend_options(),
             client=self.settings.backend_client,
         )
         entries = {

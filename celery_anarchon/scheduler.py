@@ -41,7 +41,15 @@ from .settings import JobOptions, Settings, seconds
 from .slots import Slots, cron, definition, first_slot, oneoff, slots_for
 from .worker import expires_for
 
-__all__ = ["Entry", "Job", "Scheduler", "build_jobs", "send_slot", "task_id_for"]
+__all__ = [
+    "Entry",
+    "Job",
+    "Scheduler",
+    "build_jobs",
+    "check_backend_supports",
+    "send_slot",
+    "task_id_for",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -267,6 +275,38 @@ def build_jobs(
     return jobs
 
 
+def check_backend_supports(backend: Backend, settings: Settings, job: Job) -> None:
+    """Refuse a job whose options need what ``backend`` cannot give.
+
+    Raises:
+        ConfigurationError: on a claim-only backend (RabbitMQ), a job asking
+            for ``lease_ttl``, ``overlap='skip'``, a catch-up policy or an
+            explicit ``history_ttl``; or the backend's own check of the job
+            (RabbitMQ: ``jitter + max_late + max_skew`` against ``slot_ttl``).
+    """
+    if backend.supports_leases:
+        return
+    o = job.options
+    asked = []
+    if "lease_ttl" in settings.explicit or "lease_ttl" in job.entry.anarchon:
+        asked.append("lease_ttl (backup runners)")
+    if o.overlap == "skip":
+        asked.append("overlap='skip'")
+    if o.catch_up != "none":
+        asked.append(f"catch_up={o.catch_up!r}")
+    if "history_ttl" in settings.explicit or "history_ttl" in job.entry.anarchon:
+        asked.append("history_ttl (RabbitMQ history is trimmed by size only)")
+    if asked:
+        raise ConfigurationError(
+            f"job {job.name!r}: {', '.join(asked)} need a lease backend; "
+            f"{backend.describe()} is claim-only. Remove the setting, or set "
+            "anarchon_backend to Redis, PostgreSQL or SQLite."
+        )
+    check = getattr(backend, "check_job", None)
+    if check is not None:
+        check(job.name, jitter_s=o.jitter, max_late_s=o.max_late, max_skew_s=settings.max_skew)
+
+
 def send_slot(
     app: Any,
     entry: beat.ScheduleEntry,
@@ -388,60 +428,18 @@ class Scheduler(beat.Scheduler):
             self._backend = backend_from_url(
                 self._settings.backend,
                 instance=self.instance_id,
-                options=self._backend_options(self._settings),
+                options=self._settings.effective_backend_options(),
                 client=self._settings.backend_client,
             )
         self._jobs = build_jobs(self.schedule, self._settings, app_zone(self.app))
         for job in self._jobs.values():
-            self._check_backend_supports(job)
+            check_backend_supports(self._backend, self._settings, job)
         self._warn_if_local_only()
         self.metrics = metrics_from_app(self.app)
         registry_ttl(self.app.conf)  # a bad anarchon_registry_ttl fails here, at start-up
         self._started_ms = self._now_ms()
         self._connect()
         self._plan_first_slots()
-
-    def _backend_options(self, settings: Settings) -> dict[str, Any]:
-        options = dict(settings.backend_options)
-        url = settings.backend or ""
-        if settings.allow_eviction and scheme_of(url) in {
-            "redis",
-            "rediss",
-            "redis+sentinel",
-            "sentinel",
-        }:
-            options.setdefault("allow_eviction", True)
-        return options
-
-    def _check_backend_supports(self, job: Job) -> None:
-        backend = self._backend
-        assert backend is not None and self._settings is not None
-        if backend.supports_leases:
-            return
-        o = job.options
-        asked = []
-        if "lease_ttl" in self._settings.explicit or "lease_ttl" in job.entry.anarchon:
-            asked.append("lease_ttl (backup runners)")
-        if o.overlap == "skip":
-            asked.append("overlap='skip'")
-        if o.catch_up != "none":
-            asked.append(f"catch_up={o.catch_up!r}")
-        if "history_ttl" in self._settings.explicit or "history_ttl" in job.entry.anarchon:
-            asked.append("history_ttl (RabbitMQ history is trimmed by size only)")
-        if asked:
-            raise ConfigurationError(
-                f"job {job.name!r}: {', '.join(asked)} need a lease backend; "
-                f"{backend.describe()} is claim-only. Remove the setting, or set "
-                "anarchon_backend to Redis, PostgreSQL or SQLite."
-            )
-        check = getattr(backend, "check_job", None)
-        if check is not None:
-            check(
-                job.name,
-                jitter_s=o.jitter,
-                max_late_s=o.max_late,
-                max_skew_s=self._settings.max_skew,
-            )
 
     def _warn_if_local_only(self) -> None:
         assert self._settings is not None
@@ -1129,7 +1127,7 @@ class Scheduler(beat.Scheduler):
             backend = self._backend or backend_from_url(
                 settings.backend,
                 instance=self.instance_id,
-                options=self._backend_options(settings),
+                options=settings.effective_backend_options(),
                 client=settings.backend_client,
             )
             where = backend.describe()

@@ -227,6 +227,15 @@ class Settings:
             ),
         )
 
+    def effective_backend_options(self) -> dict[str, Any]:
+        """The options a backend is built with: ``anarchon_backend_options``,
+        plus ``allow_eviction`` for Redis when ``anarchon_allow_eviction``."""
+        options = dict(self.backend_options)
+        scheme = (self.backend or "").split("://", 1)[0].lower()
+        if self.allow_eviction and scheme in {"redis", "rediss", "redis+sentinel", "sentinel"}:
+            options.setdefault("allow_eviction", True)
+        return options
+
     def job_options(self, job: str, overrides: Mapping[str, Any] | None) -> JobOptions:
         """The effective options of ``job``: defaults with its overrides.
 

@@ -101,7 +101,7 @@ from typing import Any
 from celery import signals
 from celery.exceptions import Ignore
 
-from .backends import backend_from_url, scheme_of
+from .backends import backend_from_url
 from .backends.base import Backend, Claim, State
 from .exceptions import AnarchonError
 from .settings import EXPIRES_NEXT_SLOT, JobOptions, Settings, parse_expires
@@ -326,7 +326,7 @@ class WorkerIntegration:
             self._backend = backend_from_url(
                 settings.backend,
                 instance=f"worker:{socket.gethostname()}:{os.getpid()}",
-                options=_backend_options(settings),
+                options=settings.effective_backend_options(),
                 client=settings.backend_client,
             )
             self._backend_pid = os.getpid()
@@ -692,20 +692,6 @@ def _retry_delay_ms(when: Any) -> int:
     if isinstance(when, (int, float)) and not isinstance(when, bool):
         return max(0, int(when * 1000))
     return 0
-
-
-def _backend_options(settings: Settings) -> dict[str, Any]:
-    """Backend options as the scheduler builds them (``allow_eviction``
-    passed to Redis backends)."""
-    options = dict(settings.backend_options)
-    if settings.allow_eviction and scheme_of(settings.backend or "x://") in {
-        "redis",
-        "rediss",
-        "redis+sentinel",
-        "sentinel",
-    }:
-        options.setdefault("allow_eviction", True)
-    return options
 
 
 def _iso(ms: int) -> str:
