@@ -56,13 +56,14 @@ from . import common
 from .common import log
 
 SCHEDULERS = {
+    "publish": "",
     "celery": "celery.beat:PersistentScheduler",
     "redbeat": "redbeat.RedBeatScheduler",
     "anarchon": "celery_anarchon.Scheduler",
 }
 BACKENDS = ["redis", "postgresql", "mysql", "sqlite", "rabbitmq"]
 DEFAULT_CONFIGS = (
-    "celery,redbeat,anarchon-redis-1,anarchon-redis-3,"
+    "publish-1,publish-3,celery,redbeat,anarchon-redis-1,anarchon-redis-3,"
     "anarchon-postgresql-1,anarchon-postgresql-3,anarchon-rabbitmq-1,anarchon-rabbitmq-3"
 )
 
@@ -83,6 +84,8 @@ class Config:
 
     @property
     def label(self) -> str:
+        if self.kind == "publish":
+            return f"publish floor x{self.instances}"
         if self.kind != "anarchon":
             return self.kind
         return f"anarchon {self.backend} x{self.instances} jitter {self.jitter:g}"
@@ -97,6 +100,10 @@ def parse_configs(text: str, jitters: Sequence[float]) -> list[Config]:
             continue
         if part in ("celery", "redbeat"):
             configs.append(Config(part))
+            continue
+        floor = re.fullmatch(r"publish-(\d+)", part)
+        if floor:
+            configs.append(Config("publish", None, int(floor.group(1))))
             continue
         match = re.fullmatch(r"anarchon-(\w+)-(\d+)", part)
         if not match or match.group(1) not in BACKENDS:
@@ -168,10 +175,13 @@ class Run:
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     launched: float = 0.0
 
-    def start(self, backend_url: str | None, first_slot: float, tag: str) -> None:
+    def start(
+        self, backend_url: str | None, first_slot: float, tag: str, args: argparse.Namespace
+    ) -> None:
         conf: dict[str, Any] = {}
         if self.cfg.jitter is not None:
             conf["anarchon_jitter"] = self.cfg.jitter
+            conf["anarchon_max_late"] = args.max_late
         env = {
             **os.environ,
             "BENCH_KIND": self.cfg.kind,
@@ -185,6 +195,7 @@ class Run:
             "BENCH_REDBEAT_PREFIX": f"anarchon-bench-{tag}-redbeat:",
             "BENCH_CONF": json.dumps(conf),
             "BENCH_READY_DIR": str(self.folder),
+            "BENCH_ROUNDS": str(args.rounds),
             "PYTHONPATH": str(common.REPO),
         }
         self.launched = time.time()
@@ -193,23 +204,34 @@ class Run:
             command = [
                 sys.executable,
                 "-m",
-                "celery",
-                "-A",
-                "bench.bench_app",
-                "beat",
-                "-S",
-                SCHEDULERS[self.cfg.kind],
-                "-l",
-                "INFO",
-                "-s",
-                str(self.folder / f"celerybeat-schedule-{index + 1}"),
+                "bench.publisher",
+                str(index),
+                str(self.cfg.instances),
             ]
+            if self.cfg.kind != "publish":
+                command = self.beat_command(index)
             self.procs.append(
                 subprocess.Popen(
                     command, cwd=self.folder, env=env, stdout=logfile, stderr=subprocess.STDOUT
                 )
             )
             logfile.close()
+
+    def beat_command(self, index: int) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "bench.bench_app",
+            "beat",
+            "-S",
+            SCHEDULERS[self.cfg.kind],
+            "-l",
+            "INFO",
+            "-s",
+            str(self.folder / f"celerybeat-schedule-{index + 1}"),
+        ]
 
     def wait_ready(self, timeout: float) -> float:
         """Seconds from launch until the last process finished set-up.
@@ -220,7 +242,7 @@ class Run:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for proc in self.procs:
-                if proc.poll() is not None:
+                if proc.poll() is not None and self.cfg.kind != "publish":
                     raise RuntimeError(f"{self.cfg.label}: a beat exited:\n{self.logs()}")
             marks = list(self.folder.glob("ready-*"))
             if len(marks) >= len(self.procs):
@@ -285,6 +307,46 @@ def count_at(timeline: Sequence[tuple[float, int]], when: float) -> int:
     return count
 
 
+def wait_for_launch(period: float, max_late: float) -> None:
+    """Sleep until no slot lies within ``max_late`` before now and at least
+    10 s remain before the next slot (when ``max_late + 10 < period``), so
+    that anarchon instances start with no slot to catch up and the first
+    slot they see is the measured one."""
+    if max_late + 10 >= period:
+        return
+    now = time.time()
+    last = math.floor(now / period) * period
+    start = last + max_late + 0.5
+    if now > last + period - 10:
+        start += period
+    time.sleep(max(0.0, start - now))
+
+
+def lateness(
+    timeline: Sequence[tuple[float, int]], slot: float, jobs: int, period: float, rounds: int
+) -> dict[str, Any]:
+    """Seconds from its slot to its arrival, for every message of the
+    measured rounds, taking the queue as first in, first out by round (the
+    ``n``-th message belongs to round ``n // jobs``): percentiles and how
+    many arrived more than 2 s after their slot."""
+    late: list[float] = []
+    seen = 0
+    for at, count in timeline:
+        for n in range(seen, min(count, jobs * rounds)):
+            late.append(at - (slot + (n // jobs) * period))
+        seen = max(seen, count)
+    if not late:
+        return {}
+    return {
+        "messages": len(late),
+        "p50": common.percentile(late, 50),
+        "p90": common.percentile(late, 90),
+        "p99": common.percentile(late, 99),
+        "max": max(late),
+        "over_2s": sum(1 for x in late if x > 2.0),
+    }
+
+
 def choose_slot(run: Run, ready_at: float, fixed: float | None) -> float:
     """The first measured slot: ``fixed`` (Celery, redbeat), else the first
     multiple of the period at least 3 s after set-up, moved on a period while
@@ -315,9 +377,11 @@ def measure(
         with claim_backend(cfg, tag) as backend_url:
             fixed = None
             if cfg.kind != "anarchon":
-                allowance = 8 + jobs / 1000 * 2
+                allowance = (3 if cfg.kind == "publish" else 8) + jobs / 1000 * 2
                 fixed = math.ceil((time.time() + allowance) / period) * period
-            run.start(backend_url, fixed or 0.0, tag)
+            else:
+                wait_for_launch(period, args.max_late)
+            run.start(backend_url, fixed or 0.0, tag, args)
             startup = run.wait_ready(timeout=120 + jobs / 100)
             result["startup_s"] = startup
             slot = choose_slot(run, run.launched + startup, fixed)
@@ -333,6 +397,7 @@ def measure(
             if spy is not None:
                 common.stop_process(spy, timeout=60)
             result.update(summarise(timeline, slot, jobs, period, rounds))
+            result["lateness"] = lateness(timeline, slot, jobs, period, rounds)
             result["cpu_s"] = sum(cpu1) - sum(cpu0)
             result["cpu_per_round_s"] = cpu_rounds
             result["cpu_by_process_s"] = [b - a for a, b in zip(cpu0, cpu1, strict=True)]
@@ -418,7 +483,7 @@ def verify(
 ) -> dict[str, Any]:
     """Exactly once: every ``(job, slot)`` of the measured rounds appears
     once in the queue (anarchon headers); other schedulers: counts only."""
-    if cfg.kind != "anarchon":
+    if cfg.kind not in ("anarchon", "publish"):
         return {"messages": len(headers)}
     from .bench_app import job_name
 
@@ -522,6 +587,16 @@ def _secs(values: Sequence[float | None]) -> str:
     return text + (f" [{missing} run(s) not reached]" if missing else "")
 
 
+def _late(runs: Sequence[dict[str, Any]]) -> str:
+    known = [r["lateness"] for r in runs if r.get("lateness")]
+    if not known:
+        return "-"
+    p99 = common.spread([k["p99"] for k in known])["median"]
+    worst = max(k["max"] for k in known)
+    over = max(k["over_2s"] for k in known)
+    return f"{p99:.2f} / {worst:.2f}, {over}"
+
+
 def _range(values: Sequence[int]) -> str:
     return f"{min(values)}-{max(values)}" if values else "-"
 
@@ -553,6 +628,7 @@ def report(results: Sequence[dict[str, Any]], args: argparse.Namespace) -> str:
                 _range([f["within_period"] for f in first]),
                 _secs([r["done"] for r in later]),
                 common.fmt(common.spread(cpu), 2),
+                _late(good),
                 "-" if once[0] is None else f"{sum(bool(o) for o in once)}/{len(once)}",
                 (f"split {split}; " if split else "")
                 + (f"{len(errors)} failed run(s)" if errors else ""),
@@ -567,6 +643,7 @@ def report(results: Sequence[dict[str, Any]], args: argparse.Namespace) -> str:
         "round 1 within a period",
         f"round {args.rounds} done (s)",
         "CPU s per round (all processes)",
+        "all rounds: lateness p99 / max (s), > 2 s",
         "exactly once",
         "notes",
     ]
@@ -614,13 +691,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--jobs", type=int, default=10_000)
     parser.add_argument("--rabbit-jobs", type=int, default=1_000, help="jobs on RabbitMQ")
-    parser.add_argument("--period", type=float, default=20.0, help="seconds")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds measured per run")
+    parser.add_argument("--period", type=float, default=60.0, help="seconds")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds measured per run")
+    parser.add_argument(
+        "--max-late",
+        type=float,
+        default=50.0,
+        help="anarchon_max_late, seconds; below period - 10, instances start clean",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--configs", default=DEFAULT_CONFIGS)
     parser.add_argument("--jitters", default="2", help="anarchon_jitter values, seconds")
     parser.add_argument(
-        "--wait", type=float, default=30.0, help="longest wait after the last round's slot"
+        "--wait", type=float, default=90.0, help="longest wait after the last round's slot"
     )
     parser.add_argument("--profile", help="folder for py-spy profiles of the first instance")
     parser.add_argument("--keep-logs", action="store_true")

@@ -49,6 +49,7 @@ _WAIT_LEAVES = (
     "sleep",
     "wait",
     "_read_from_socket",
+    "send_packed_command",
     "sendall",
     "drain_events",
 )
