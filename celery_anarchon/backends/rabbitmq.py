@@ -169,9 +169,10 @@ RECORD_BYTES = 400
 #: Smallest stream segment we ask for, bytes.
 MIN_SEGMENT_BYTES = 4096
 
-#: Reading history: prefetch (streams need one), the quiet time after which
-#: the stream is taken as read to its end (seconds; RabbitMQ sends no
-#: end-of-stream signal to an AMQP 0-9-1 consumer), and the longest read.
+#: Reading history: prefetch (streams need one), the quiet time after a
+#: delivery after which the stream is taken as read to its end (seconds;
+#: RabbitMQ sends no end-of-stream signal to an AMQP 0-9-1 consumer), and the
+#: longest read.
 READ_PREFETCH = 1000
 READ_IDLE_S = 0.2
 READ_MAX_S = 10.0
@@ -1268,7 +1269,9 @@ class RabbitMQBackend(Backend):
         Reads the job's history stream from its first kept record without
         consuming it (``x-stream-offset=first``, manual acks, prefetch
         ``READ_PREFETCH``) until no record arrives for ``READ_IDLE_S``
-        seconds, then folds the records per run (:func:`fold_history`).
+        seconds (so a call takes at least that long), then folds the records
+        per run (:func:`fold_history`). A job without a stream reads as
+        empty at once.
 
         Raises:
             BackendUnavailable: no connection or it failed while reading.
@@ -1302,19 +1305,26 @@ class RabbitMQBackend(Backend):
             channel.basic_consume(
                 queue, callback=on_message, arguments={"x-stream-offset": "first"}
             )
-            self._read_until_idle(conn)
+            self._read_until_idle(conn, records)
         finally:
             if channel.is_open:
                 channel.close()
         return records
 
-    def _read_until_idle(self, conn: amqp.Connection) -> None:
+    def _read_until_idle(self, conn: amqp.Connection, records: list[dict[str, Any]]) -> None:
+        """Read deliveries until none comes for ``READ_IDLE_S`` seconds after
+        the first one, or ``confirm_timeout`` seconds before it (a stream
+        that exists holds at least one record; the broker may be slow to read
+        it from disk), or ``READ_MAX_S`` seconds in all."""
         deadline = time.monotonic() + READ_MAX_S
+        wait = self.confirm_timeout
         while time.monotonic() < deadline:
             try:
-                conn.drain_events(timeout=READ_IDLE_S)
+                conn.drain_events(timeout=wait)
             except TimeoutError:
                 return
+            if records:
+                wait = READ_IDLE_S
 
     def now_ms(self) -> int:
         """This host's clock, epoch ms (RabbitMQ has no clock to read)."""
