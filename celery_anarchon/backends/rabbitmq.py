@@ -65,6 +65,14 @@ What it guarantees, and what it does not
 * One queue per run: a job every second keeps about ``slot_ttl`` gates alive
   (300 with the default), and brokers create queues at a few hundred per
   second, so very frequent jobs and large bursts belong on Redis.
+* Broker resources (measured on RabbitMQ 3.10): a live gate holds about
+  50 KB, two Erlang processes and one file descriptor (its queue index
+  journal); a job's history stream about 100 KB, one process and two file
+  descriptors that are never given back while it exists. A broker needs a
+  file limit well above ``2 x jobs + live gates`` (RabbitMQ recommends at
+  least 65,536 in production): at the common default of 1,024, a few
+  hundred jobs exhaust it, and a broker that crashed holding more gates than
+  its file handle limit was seen to stall while recovering them.
 
 Queue names
 ===========
