@@ -567,11 +567,15 @@ def test_a_run_whose_runner_crashed_stays_running(make: Callable[..., RabbitMQBa
 
 
 def test_user_connections_are_not_used_for_claims_nor_closed(vhost: str, prefix: str) -> None:
-    with kombu.Connection(url_for(vhost)) as theirs:
+    with kombu.Connection(url_for(vhost), transport_options={"confirm_publish": True}) as theirs:
         theirs.connect()
+        channels = set(theirs.connection.channels)
         backend = backend_from_url(None, client=theirs, instance="a", options={"prefix": prefix})
         backend.open()
-        assert backend.claim([request("own", now_ms())])[0].won
+        slot = now_ms()
+        assert backend.claim([request("own", slot)])[0].won
+        assert not backend.claim([request("own", slot)])[0].won  # a nack, not an exception
+        assert set(theirs.connection.channels) == channels
         assert "guest:guest" not in backend.describe()
         backend.close()
         assert theirs.connected
@@ -581,6 +585,7 @@ def test_user_connections_are_not_used_for_claims_nor_closed(vhost: str, prefix:
     backend = RabbitMQBackend(None, client=raw, instance="b", prefix=prefix)
     backend.open()
     assert backend.claim([request("own", now_ms() + 5)])[0].won
+    assert set(raw.channels) == {0}  # only the connection itself
     backend.close()
     assert raw.connected
     raw.close()
