@@ -555,11 +555,17 @@ class WorkerIntegration:
             return
         self._gate_tasks()
         try:
-            backend = self.backend()
+            description = self.backend().describe()
         except Exception as exc:
             logger.error("anarchon: worker integration: backend not ready: %s", exc)
             return
-        logger.info("anarchon: worker integration ready: %s", backend.describe())
+        finally:
+            # Checked; closed again so that no connection is open when the
+            # pool (or an embedded beat, -B) forks: a SQLite file opened
+            # before a fork fails in the child ("locking protocol"). The
+            # client is opened again on first use, in the process using it.
+            self._drop_backend()
+        logger.info("anarchon: worker integration ready: %s", description)
 
     def _on_fork(self, **kwargs: Any) -> None:
         """A pool process started: never use the parent's client here (the
