@@ -33,11 +33,12 @@ SERVICES = {
 POSTGRES_URL = os.environ.get("ANARCHON_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
 MYSQL_URL = os.environ.get("ANARCHON_TEST_MYSQL", "mysql+pymysql://root@127.0.0.1:3306/test")
 REDIS_URL = os.environ.get("ANARCHON_TEST_REDIS", "redis://127.0.0.1:6379/0")
-RABBIT_VHOST = "anarchon-contract"
-RABBIT_URL = f"amqp://guest:guest@127.0.0.1:5672/{RABBIT_VHOST}"
-
-#: Run-unique prefix so parallel or repeated runs never share state.
+#: Run-unique prefix so parallel or repeated runs (and pytest-xdist
+#: workers, each its own process) never share state.
 RUN_ID = uuid.uuid4().hex[:8]
+
+RABBIT_VHOST = f"anarchon-contract-{RUN_ID}"
+RABBIT_URL = f"amqp://guest:guest@127.0.0.1:5672/{RABBIT_VHOST}"
 
 ALL_BACKENDS = ["sqlite", "postgresql", "mysql", "redis", "rabbitmq"]
 
@@ -69,7 +70,9 @@ def rabbit_vhost() -> Iterator[str]:
     require_service("rabbitmq")
     ctl = shutil.which("rabbitmqctl")
     if ctl is None:
-        pytest.skip("rabbitmqctl is not installed") if not IN_CI else pytest.fail("no rabbitmqctl")
+        if IN_CI:
+            pytest.fail("rabbitmqctl is not installed")
+        pytest.skip("rabbitmqctl is not installed")
     subprocess.run([ctl, "add_vhost", RABBIT_VHOST], capture_output=True, check=False)
     subprocess.run(
         [ctl, "set_permissions", "-p", RABBIT_VHOST, "guest", ".*", ".*", ".*"],
