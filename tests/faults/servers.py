@@ -1,0 +1,261 @@
+"""What the harness puts between the beats and a service, or runs itself:
+a TCP proxy on loopback that cuts, delays and stalls, and Redis and
+PostgreSQL servers on spare ports that a scenario can crash and restart.
+
+Everything listens on 127.0.0.1 only, every thread and process stops on
+:meth:`close`, and every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from .harness import free_port, port_open, wait_until
+
+#: How often blocked proxy threads look at their flags, seconds.
+POLL_S = 0.1
+
+
+class Proxy:
+    """A TCP proxy from ``127.0.0.1:<port>`` to ``127.0.0.1:<target>``.
+
+    Faults, each switched on and off at any time:
+
+    * :meth:`cut`: close every connection and refuse new ones (accepted and
+      closed at once) until :meth:`restore`;
+    * ``latency``: seconds added before each chunk of a reply is passed on
+      (server to client), so a request/reply round trip takes that much more;
+    * :meth:`stall`: stop passing replies on (connections stay open, data is
+      held) until :meth:`unstall`: a server that hangs mid-reply.
+    """
+
+    def __init__(self, target_port: int, target_host: str = "127.0.0.1") -> None:
+        self.target = (target_host, target_port)
+        self.port = free_port()
+        self.latency = 0.0
+        self._open = True
+        self._stalled = False
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._listener = socket.socket()
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", self.port))
+        self._listener.listen(128)
+        self._listener.settimeout(POLL_S)
+        self._threads: list[threading.Thread] = []
+        self._spawn(self._accept_loop)
+
+    def __enter__(self) -> Proxy:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- faults ------------------------------------------------------------------
+
+    def cut(self) -> None:
+        """Drop every connection now and refuse new ones."""
+        self._open = False
+        with self._lock:
+            conns, self._conns = set(self._conns), set()
+        for conn in conns:
+            _close(conn)
+
+    def restore(self) -> None:
+        self._open = True
+
+    def stall(self) -> None:
+        self._stalled = True
+
+    def unstall(self) -> None:
+        self._stalled = False
+
+    def close(self) -> None:
+        self._stop.set()
+        self.cut()
+        _close(self._listener)
+        for thread in self._threads:
+            thread.join(2)
+
+    # -- plumbing ----------------------------------------------------------------
+
+    def _spawn(self, target: Any, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        thread.start()
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not self._open:
+                _close(client)
+                continue
+            try:
+                upstream = socket.create_connection(self.target, timeout=2)
+            except OSError:
+                _close(client)
+                continue
+            for sock in (client, upstream):
+                sock.settimeout(POLL_S)
+            with self._lock:
+                self._conns.update((client, upstream))
+            self._spawn(self._pump, client, upstream, False)
+            self._spawn(self._pump, upstream, client, True)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, reply: bool) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    data = src.recv(65536)
+                except TimeoutError:
+                    continue
+                if not data:
+                    break
+                if reply:
+                    while self._stalled and not self._stop.is_set():
+                        time.sleep(POLL_S)
+                    if self.latency:
+                        time.sleep(self.latency)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                _close(sock)
+            with self._lock:
+                self._conns.discard(src)
+                self._conns.discard(dst)
+
+
+def _close(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(OSError):
+        sock.close()
+
+
+class RedisServer:
+    """A ``redis-server`` of the harness's own on a spare port, with an
+    append-only file synced on every write (``appendfsync always``), so a
+    crash loses no acknowledged claim. :meth:`crash` kills it (-9);
+    :meth:`start` brings it back on the same port and data."""
+
+    def __init__(self, folder: Path, *, password: str | None = None) -> None:
+        self.folder = folder / "redis-data"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.password = password
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> RedisServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.crash()
+
+    def start(self) -> None:
+        args = [
+            shutil.which("redis-server") or "redis-server",
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.folder),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
+            "--save",
+            "",
+        ]
+        if self.password:
+            args += ["--requirepass", self.password]
+        log = open(self.folder / "redis.log", "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        if not wait_until(lambda: port_open(self.port), 15):
+            raise RuntimeError(f"redis-server on port {self.port} did not start")
+
+    def crash(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+
+class PostgresServer:
+    """A PostgreSQL cluster of the harness's own on a spare port, run as the
+    ``postgres`` user (PostgreSQL refuses root), with a database ``test``.
+    :meth:`crash` stops it with ``-m immediate`` (no shutdown checkpoint: a
+    crash as far as the data is concerned); :meth:`start` brings it back."""
+
+    def __init__(self, folder: Path) -> None:
+        self.root = Path(f"/tmp/anarchon-faults-pg-{os.getpid()}-{free_port()}")
+        self.data = self.root / "data"
+        self.port = free_port()
+        self.bin = _pg_bin()
+
+    @staticmethod
+    def available() -> bool:
+        return _pg_bin() is not None and shutil.which("su") is not None
+
+    def __enter__(self) -> PostgresServer:
+        assert self.bin is not None
+        self.root.mkdir(parents=True)
+        shutil.chown(self.root, "postgres", "postgres")
+        self._as_postgres(f"{self.bin}/initdb -D {self.data} -A trust -U postgres --no-sync")
+        self.start()
+        self._as_postgres(f"{self.bin}/createdb -h 127.0.0.1 -p {self.port} -U postgres test")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.crash()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def start(self) -> None:
+        options = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1"
+        self._as_postgres(
+            f"{self.bin}/pg_ctl -D {self.data} -l {self.root}/pg.log -w -t 30 -o '{options}' start"
+        )
+
+    def crash(self) -> None:
+        if self.data.exists():
+            self._as_postgres(
+                f"{self.bin}/pg_ctl -D {self.data} -m immediate -w -t 30 stop", check=False
+            )
+
+    def _as_postgres(self, command: str, check: bool = True) -> None:
+        subprocess.run(
+            ["su", "postgres", "-s", "/bin/sh", "-c", command],
+            check=check,
+            capture_output=True,
+            timeout=90,
+        )
+
+
+def _pg_bin() -> str | None:
+    root = Path("/usr/lib/postgresql")
+    if not root.is_dir():
+        return None
+    versions = sorted(root.iterdir(), key=lambda p: p.name)
+    for version in reversed(versions):
+        if (version / "bin" / "initdb").exists():
+            return str(version / "bin")
+    return None
