@@ -818,6 +818,10 @@ class RedisBackend(Backend):
         record before superseded ones), at most ``limit``; read with
         :data:`LUA_HISTORY_SCRIPT`.
 
+        A record that is not ours (not JSON, no slot, or a state this
+        version does not know) is left out with a warning; its slot stays
+        taken, since claims check the slot's key, not the record.
+
         Raises:
             BackendUnavailable: no answer.
         """
@@ -825,7 +829,7 @@ class RedisBackend(Backend):
             return []
         tag = self._tag(job)
         raw = self._call((HISTORY, [f"{tag}:runs", f"{tag}:index"], [limit or 0]))
-        return [_record(job, json.loads(item)) for item in raw]
+        return [record for record in (_record_or_none(job, item) for item in raw) if record]
 
     # -- instance registry ---------------------------------------------------
 
@@ -1081,6 +1085,21 @@ def _claim_answer(request: ClaimRequest, reply: Any) -> Claim:
         return Claim(request.job, request.slot_ms, won=True, token=token)
     reason = "window" if token < 0 else "taken"
     return Claim(request.job, request.slot_ms, won=False, reason=reason)
+
+
+def _record_or_none(job: str, item: str | bytes) -> RunRecord | None:
+    """The history record stored as ``item`` (JSON), or None (logged) when
+    it cannot be read as one."""
+    try:
+        return _record(job, json.loads(item))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        logger.warning(
+            "anarchon: history of %s: a record that is not ours (%s: %.200r); left out",
+            job,
+            type(exc).__name__,
+            item,
+        )
+        return None
 
 
 def _record(job: str, run: dict[str, Any]) -> RunRecord:

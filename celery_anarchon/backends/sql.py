@@ -916,6 +916,10 @@ class SQLBackend(Backend):
         record before superseded ones), at most ``limit``: ``SELECT .. WHERE
         job = :job ORDER BY slot_ms DESC, token DESC LIMIT :limit``.
 
+        A row whose state this version does not know (written by another
+        program, or by a newer celery-anarchon) is left out with a warning;
+        its slot stays taken, since claims check the key, not the state.
+
         Raises:
             BackendUnavailable: no answer.
         """
@@ -929,7 +933,8 @@ class SQLBackend(Backend):
             .limit(limit)
         )
         with self._read("read history") as conn:
-            return [_record(job, row) for row in conn.execute(query)]
+            rows = list(conn.execute(query))
+        return [record for record in (_record_or_none(job, row) for row in rows) if record]
 
     # -- instance registry ---------------------------------------------------
 
@@ -1285,6 +1290,21 @@ def _reason(exc: Exception) -> str:
     orig = getattr(exc, "orig", None) or exc
     lines = str(orig).strip().splitlines() or [""]
     return f"{type(orig).__name__}: {lines[0]}"
+
+
+def _record_or_none(job: str, row: Any) -> RunRecord | None:
+    """The history record of ``row``, or None (logged) when its state is unknown."""
+    try:
+        return _record(job, row)
+    except ValueError:
+        logger.warning(
+            "anarchon: history of %s: row for slot %s has state %r, unknown to this "
+            "version; left out (the slot stays taken)",
+            job,
+            row.slot_ms,
+            row.state,
+        )
+        return None
 
 
 def _record(job: str, row: Any) -> RunRecord:

@@ -1,0 +1,96 @@
+"""Regression tests for backend defects the fault campaign found.
+
+* A history record that is not ours (a foreign row with an unknown state, a
+  value that is not our JSON) made ``history()`` raise ``ValueError`` or
+  ``JSONDecodeError``; the scheduler reads history at start-up, so every
+  beat exited ("bad input: foreign row in our table"). Such records are now
+  left out with a warning, and their slot stays taken.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from celery_anarchon.backends import backend_from_url
+from celery_anarchon.backends.base import Backend, ClaimRequest, State
+
+from ..conftest import POSTGRES_URL, REDIS_URL, require_service
+
+pytestmark = pytest.mark.services
+
+
+def _open(url: str) -> Backend:
+    backend = backend_from_url(url, instance=f"regression-{uuid.uuid4().hex[:6]}")
+    backend.open()
+    return backend
+
+
+def _request(job: str, slot_ms: int) -> ClaimRequest:
+    return ClaimRequest(job, slot_ms, 10**9, 10**9, slot_ms + 3_600_000)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_sql_history_leaves_out_a_row_of_unknown_state(kind: str, tmp_path: Path) -> None:
+    run = uuid.uuid4().hex[:8]
+    if kind == "postgresql":
+        require_service("postgresql")
+        url = f"{POSTGRES_URL}?prefix=reg{run}_"
+        engine_url = POSTGRES_URL.replace("postgresql://", "postgresql+psycopg://", 1)
+    else:
+        url = f"sqlite:///{tmp_path / 'claims.db'}?prefix=reg{run}_"
+        engine_url = f"sqlite:///{tmp_path / 'claims.db'}"
+    backend = _open(url)
+    engine = sa.create_engine(engine_url)
+    now_ms = int(time.time()) * 1000
+    try:
+        good = backend.claim([_request("j", now_ms)])[0]
+        assert good.won
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    f"INSERT INTO reg{run}_runs (job, slot_ms, token, state, owner, keep_until_ms)"
+                    " VALUES ('j', :slot, 1, 'bogus', 'someone-else', :keep)"
+                ),
+                {"slot": now_ms + 1000, "keep": now_ms + 3_600_000},
+            )
+        history = backend.history("j")
+        assert [(r.slot_ms, r.state) for r in history] == [(now_ms, State.CLAIMED)]
+        # The foreign row's slot stays taken: never claimed over it.
+        lost = backend.claim([_request("j", now_ms + 1000)])[0]
+        assert not lost.won and lost.reason == "taken"
+    finally:
+        backend.close()
+        if kind == "postgresql":
+            with engine.begin() as conn:
+                for table in ("runs", "manual", "instances", "meta"):
+                    conn.execute(sa.text(f"DROP TABLE IF EXISTS reg{run}_{table}"))
+        engine.dispose()
+
+
+def test_redis_history_leaves_out_a_record_that_is_not_ours() -> None:
+    require_service("redis")
+    import redis
+
+    prefix = f"anarchon-reg:{uuid.uuid4().hex[:8]}:"
+    backend = _open(f"{REDIS_URL}?prefix={prefix}")
+    client = redis.Redis.from_url(REDIS_URL)
+    now_ms = int(time.time()) * 1000
+    tag = "{" + prefix + "j}"
+    try:
+        assert backend.claim([_request("j", now_ms)])[0].won
+        for i, value in enumerate(["not json", '{"slot_ms": 1, "state": "bogus"}', "[]"]):
+            member = str(now_ms + 1000 * (i + 1))
+            client.hset(f"{tag}:runs", member, value)
+            client.zadd(f"{tag}:index", {member: now_ms + 1000 * (i + 1)})
+        history = backend.history("j")
+        assert [(r.slot_ms, r.state) for r in history] == [(now_ms, State.CLAIMED)]
+    finally:
+        backend.close()
+        for key in client.scan_iter(match="{" + prefix + "*"):
+            client.delete(key)
+        client.close()
