@@ -430,8 +430,10 @@ class SQLBackend(Backend):
             BackendUnavailable: the database cannot be reached or fails.
             ConfigurationError: the SQLite file's directory does not exist; a
                 user's MySQL Engine reports found rather than changed rows
-                (``CLIENT_FOUND_ROWS``); the tables were made by a newer
-                celery-anarchon (schema version above :data:`SCHEMA_VERSION`).
+                (``CLIENT_FOUND_ROWS``); a table of one of our names lacks
+                our columns (another program's); the tables were made by a
+                newer celery-anarchon (schema version above
+                :data:`SCHEMA_VERSION`).
         """
         if self._ready:
             return
@@ -441,7 +443,15 @@ class SQLBackend(Backend):
         with self._unavailable("open"):
             self._check_found_rows(self._engine)
             self._create_tables(self._engine)
-            version = self._schema_version(self._engine)
+            foreign = self._foreign_tables(self._engine)
+            version = self._schema_version(self._engine) if not foreign else 0
+        if foreign:
+            raise ConfigurationError(
+                f"anarchon_backend: {'; '.join(foreign)} in {self.describe()}: a table of that "
+                "name exists but is not celery-anarchon's. Set "
+                "anarchon_backend_options['prefix'] (or ?prefix= in the URL) to use other "
+                "table names, or move that table away."
+            )
         if version > SCHEMA_VERSION:
             raise ConfigurationError(
                 f"anarchon_backend: the tables {self.prefix}* in {self.describe()} have "
@@ -1202,6 +1212,19 @@ class SQLBackend(Backend):
                     if not sa.inspect(conn).has_table(table.name):
                         raise
                 logger.debug("anarchon: table %s was created concurrently", table.name)
+
+    def _foreign_tables(self, engine: Engine) -> list[str]:
+        """``"<table> lacks <columns>"`` for each table of our names that
+        lacks columns of ours (another program's table, made before ours)."""
+        found = []
+        with engine.connect() as conn:
+            inspector = sa.inspect(conn)
+            for table in self._tables.metadata.sorted_tables:
+                present = {c["name"].lower() for c in inspector.get_columns(table.name)}
+                missing = [c.name for c in table.columns if c.name.lower() not in present]
+                if missing:
+                    found.append(f"table {table.name} lacks column(s) {', '.join(missing)}")
+        return found
 
     def _schema_version(self, engine: Engine) -> int:
         meta = self._tables.meta

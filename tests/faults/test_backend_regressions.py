@@ -5,6 +5,9 @@
   ``JSONDecodeError``; the scheduler reads history at start-up, so every
   beat exited ("bad input: foreign row in our table"). Such records are now
   left out with a warning, and their slot stays taken.
+* A table of our name made by another program passed ``open()`` and failed
+  every query after it; ``open()`` now refuses it with a ConfigurationError
+  naming the table and the ``prefix`` option.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sqlalchemy as sa
 
 from celery_anarchon.backends import backend_from_url
 from celery_anarchon.backends.base import Backend, ClaimRequest, State
+from celery_anarchon.exceptions import ConfigurationError
 
 from ..conftest import POSTGRES_URL, REDIS_URL, require_service
 
@@ -94,3 +98,33 @@ def test_redis_history_leaves_out_a_record_that_is_not_ours() -> None:
         for key in client.scan_iter(match="{" + prefix + "*"):
             client.delete(key)
         client.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_sql_open_refuses_a_foreign_table_of_our_name(kind: str, tmp_path: Path) -> None:
+    """A table of our name with other columns used to pass open() (``CREATE
+    TABLE IF NOT EXISTS`` does nothing) and then fail every query: an
+    outage retried forever ("bad input: foreign table with our name")."""
+    run = uuid.uuid4().hex[:8]
+    if kind == "postgresql":
+        require_service("postgresql")
+        url = f"{POSTGRES_URL}?prefix=reg{run}_"
+        engine_url = POSTGRES_URL.replace("postgresql://", "postgresql+psycopg://", 1)
+    else:
+        url = f"sqlite:///{tmp_path / 'claims.db'}?prefix=reg{run}_"
+        engine_url = f"sqlite:///{tmp_path / 'claims.db'}"
+    engine = sa.create_engine(engine_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"CREATE TABLE reg{run}_runs (id integer PRIMARY KEY, payload text)"))
+    backend = backend_from_url(url, instance="regression")
+    try:
+        with pytest.raises(
+            ConfigurationError, match=rf"reg{run}_runs lacks column\(s\) job.*prefix"
+        ):
+            backend.open()
+    finally:
+        backend.close()
+        with engine.begin() as conn:
+            for table in ("runs", "manual", "instances", "meta"):
+                conn.execute(sa.text(f"DROP TABLE IF EXISTS reg{run}_{table}"))
+        engine.dispose()
