@@ -660,16 +660,32 @@ class RedisBackend(Backend):
         answered that one script with an error (e.g. out of memory) while
         answering others.
 
+        A script refused with ``WRONGTYPE`` (a key of the job holds another
+        program's value) loses its request with ``"unknown"`` and is logged;
+        it is not an outage, even when it is the whole batch, so the other
+        jobs go on being claimed.
+
         Raises:
-            BackendUnavailable: no answer, or every script failed.
+            BackendUnavailable: no answer, or every script failed (other
+                than with ``WRONGTYPE``).
         """
         if not requests:
             return []
         calls = [self._slot_call(CLAIM, r) for r in requests]
         replies = self._run(calls)
         errors = [r for r in replies if isinstance(r, Exception)]
-        if len(errors) == len(replies):
+        if len(errors) == len(replies) and not all(map(_wrong_type, errors)):
             raise self._unavailable("claim", errors[0]) from errors[0]
+        for request, reply in zip(requests, replies, strict=True):
+            if isinstance(reply, Exception) and _wrong_type(reply):
+                logger.error(
+                    "anarchon: cannot claim %s: a key of this job (%s*) holds a value "
+                    "that is not ours (%s); its slots are not sent until the key is "
+                    "removed or anarchon_backend_options['prefix'] is changed",
+                    request.job,
+                    self._tag(request.job),
+                    reply,
+                )
         return [_claim_answer(r, reply) for r, reply in zip(requests, replies, strict=True)]
 
     def take_over(self, request: ClaimRequest) -> Claim:
@@ -1075,6 +1091,12 @@ def _pipeline(client: _Client, calls: Sequence[_Call]) -> list[Any]:
             pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
         replies: list[Any] = pipe.execute(raise_on_error=False)
     return replies
+
+
+def _wrong_type(error: Exception) -> bool:
+    """True for Redis's ``WRONGTYPE`` reply: one key holds a value of another
+    kind (not ours), a fault of that key, not of the server."""
+    return isinstance(error, ResponseError) and "WRONGTYPE" in str(error)
 
 
 def _claim_answer(request: ClaimRequest, reply: Any) -> Claim:

@@ -128,3 +128,28 @@ def test_sql_open_refuses_a_foreign_table_of_our_name(kind: str, tmp_path: Path)
             for table in ("runs", "manual", "instances", "meta"):
                 conn.execute(sa.text(f"DROP TABLE IF EXISTS reg{run}_{table}"))
         engine.dispose()
+
+
+def test_redis_claim_of_a_job_with_a_foreign_key_is_lost_not_an_outage() -> None:
+    """A key of one job holding another program's value (``WRONGTYPE``) made
+    a claim batch of that job alone raise BackendUnavailable: the scheduler
+    then stopped claiming every job during its backoff ("bad input: foreign
+    key where our history is"). The request is now lost, "unknown"."""
+    require_service("redis")
+    import redis
+
+    prefix = f"anarchon-reg:{uuid.uuid4().hex[:8]}:"
+    backend = _open(f"{REDIS_URL}?prefix={prefix}")
+    client = redis.Redis.from_url(REDIS_URL)
+    now_ms = int(time.time()) * 1000
+    try:
+        client.set("{" + prefix + "bad}:runs", "not ours")
+        [claim] = backend.claim([_request("bad", now_ms)])
+        assert (claim.won, claim.reason) == (False, "unknown")
+        good, bad = backend.claim([_request("good", now_ms), _request("bad", now_ms + 1)])
+        assert good.won and not bad.won
+    finally:
+        backend.close()
+        for key in client.scan_iter(match="{" + prefix + "*"):
+            client.delete(key)
+        client.close()
