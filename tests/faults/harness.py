@@ -186,6 +186,7 @@ class Outcome:
     window: tuple[float, float]
     notes: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    claim_only: bool = False
 
     def records(self, job: str, slot_ms: int) -> list[RunRecord]:
         return [r for r in self.history.get(job, []) if r.slot_ms == slot_ms]
@@ -210,11 +211,15 @@ class Outcome:
 
     def unrecorded_misses(self) -> list[tuple[str, int]]:
         """Missed slots whose history does not say why (no ``missed``,
-        ``lost`` or ``skipped`` record)."""
+        ``lost`` or ``skipped`` record). On a claim-only backend a
+        ``claimed`` record that was never sent counts as saying why: its
+        claimer died between claim and send, which nothing can record
+        afterwards (DESIGN section 4, the documented price)."""
+        said = MISS_STATES | ({State.CLAIMED} if self.claim_only else set())
         return [
             s
             for s in self.missed()
-            if not any(r.state in MISS_STATES for r in self.records(*s))
+            if not any(r.state in said for r in self.records(*s))
             and s not in self.published  # a published slot's miss is the worker's
         ]
 
@@ -476,6 +481,7 @@ class FaultRun:
             executed=Counter(self.executions()),
             history=self.history(),
             window=(start, end),
+            claim_only=self.name == "rabbitmq",
         )
 
 

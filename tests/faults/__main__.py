@@ -1,0 +1,68 @@
+"""``python -m tests.faults``: run the fault campaign and print (or publish) the table.
+
+Examples::
+
+    python -m tests.faults                      # the short (CI) profile
+    python -m tests.faults --publish            # ... and rewrite docs/reliability.md
+    python -m tests.faults --long --duration 120
+    python -m tests.faults --scenarios "kill-9 loop" --backends redis,postgresql
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .badinput import BAD_INPUT, run_bad_input
+from .campaign import publish, results_block, run_campaign, save_json, table, versions
+from .scenarios import ALL, SCENARIOS, SHORT_DURATION, SHORT_PROFILE, long_profile
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "reliability.md"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.faults", description=__doc__)
+    parser.add_argument("--long", action="store_true", help="every scenario on every backend")
+    parser.add_argument("--duration", type=float, help="seconds per scenario (16; --long 60)")
+    parser.add_argument("--backends", help=f"comma-separated subset of {','.join(ALL)}")
+    parser.add_argument("--scenarios", help="comma-separated scenario names (see --list)")
+    parser.add_argument("--no-bad-input", action="store_true", help="skip the bad-input checks")
+    parser.add_argument("--publish", action="store_true", help=f"rewrite the table in {DOC}")
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--list", action="store_true", help="list scenarios and exit")
+    args = parser.parse_args(argv)
+    if args.list:
+        for name, sc in SCENARIOS.items():
+            print(f"{name:18} {','.join(sc.backends):40} {sc.about}")
+        for case in BAD_INPUT:
+            print(f"bad input: {case.name} ({case.backend})")
+        return 0
+    backends = tuple(args.backends.split(",")) if args.backends else ALL
+    plan = long_profile(backends) if args.long else SHORT_PROFILE
+    plan = [(s, b) for s, b in plan if b in backends]
+    if args.scenarios:
+        wanted = set(args.scenarios.split(","))
+        unknown = wanted - set(SCENARIOS)
+        if unknown:
+            parser.error(f"unknown scenario(s): {', '.join(sorted(unknown))}")
+        plan = [(s, b) for s, b in long_profile(backends) if s in wanted]
+    duration = args.duration or (60.0 if args.long else SHORT_DURATION)
+    rows = run_campaign(plan, duration, seed=args.seed)
+    if not args.no_bad_input:
+        rows += run_bad_input(backends)
+    found = versions()
+    profile = "long" if args.long else "short" if not args.scenarios else "selected"
+    print()
+    print(table(rows))
+    if args.json:
+        save_json(rows, args.json, found)
+    if args.publish:
+        publish(DOC, results_block(rows, profile, duration, found), profile)
+        print(f"\npublished in {DOC}")
+    return 0 if all(r.ok or r.skipped for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

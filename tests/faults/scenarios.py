@@ -1,0 +1,396 @@
+"""The campaign's scenarios (issue 7), each a function of a :class:`Ctx`
+that starts a :class:`~tests.faults.harness.FaultRun`, injects its faults on
+a timeline scaled to ``ctx.duration`` seconds, and returns what happened.
+
+Every scenario starts three beats and a worker unless it says otherwise,
+counts slots due between the beats' first tick (plus a moment) and the stop
+(minus the jitter and a send), and declares whether misses are expected
+(``misses_allowed``: the backend could not claim for a while) -- they must
+then be on the record.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..beats import BROKER
+from .harness import (
+    LEASE_BACKENDS,
+    FaultRun,
+    Outcome,
+    faketime_env,
+)
+from .servers import PostgresServer, Proxy, RedisServer
+
+#: Service ports on this machine, by backend.
+SERVICE_PORTS = {"postgresql": 5432, "mysql": 3306, "redis": 6379, "rabbitmq": 5672}
+
+
+@dataclass
+class Ctx:
+    """What a scenario gets: the backend, a scratch folder, how long to run
+    (seconds), a seeded random source, and a place for notes."""
+
+    backend: str
+    folder: Path
+    duration: float
+    rng: random.Random
+    notes: list[str] = field(default_factory=list)
+
+    def run(self, **kwargs: Any) -> FaultRun:
+        return FaultRun(self.backend, self.folder, **kwargs)
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A named scenario, the backends it applies to, and whether slots may
+    be missed (each on the record) while it runs."""
+
+    name: str
+    run: Callable[[Ctx], Outcome]
+    backends: tuple[str, ...]
+    misses_allowed: bool | tuple[str, ...]
+    about: str
+
+    def allows_misses(self, backend: str) -> bool:
+        """True when misses (on the record) are the documented price here."""
+        if isinstance(self.misses_allowed, tuple):
+            return backend in self.misses_allowed
+        return self.misses_allowed
+
+
+SCENARIOS: dict[str, Scenario] = {}
+
+ALL = ("sqlite", "postgresql", "mysql", "redis", "rabbitmq")
+#: Where a claimer killed or frozen between claim and send loses the slot
+#: (no lease, no backup runner): the documented price of claim-only.
+CLAIM_ONLY = ("rabbitmq",)
+NETWORKED = ("postgresql", "mysql", "redis", "rabbitmq")
+
+
+def scenario(
+    name: str, *, backends: tuple[str, ...] = ALL, misses_allowed: bool | tuple[str, ...] = False
+) -> Callable[[Callable[[Ctx], Outcome]], Callable[[Ctx], Outcome]]:
+    def register(fn: Callable[[Ctx], Outcome]) -> Callable[[Ctx], Outcome]:
+        about = (fn.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
+        SCENARIOS[name] = Scenario(name, fn, backends, misses_allowed, about)
+        return fn
+
+    return register
+
+
+def pause(seconds: float) -> None:
+    time.sleep(max(0.0, seconds))
+
+
+def finish(run: FaultRun, ctx: Ctx, until: float) -> Outcome:
+    """Keep running until ``until`` seconds after the start, stop, read back."""
+    pause(run.started_at + until - time.time())
+    run.stop()
+    outcome = run.outcome()
+    outcome.notes.extend(ctx.notes)
+    return outcome
+
+
+# -- processes ------------------------------------------------------------------
+
+
+@scenario("baseline")
+def baseline(ctx: Ctx) -> Outcome:
+    """No fault: three beats and a worker, the reference row."""
+    with ctx.run() as run:
+        run.start(3)
+        return finish(run, ctx, ctx.duration)
+
+
+@scenario("kill-9 loop", misses_allowed=CLAIM_ONLY)
+def kill9_loop(ctx: Ctx) -> Outcome:
+    """Every 4 s a random beat is killed with SIGKILL and restarted 1.5 s later."""
+    with ctx.run() as run:
+        run.start(3)
+        deadline = run.started_at + ctx.duration - 6
+        kills = 0
+        while time.time() < deadline and kills < 100:
+            pause(2.5)
+            victim = ctx.rng.choice(run.cluster.running())
+            run.kill9(victim)
+            kills += 1
+            pause(1.5)
+            run.cluster.restart(victim)
+        ctx.note(f"{kills} kills")
+        return finish(run, ctx, ctx.duration)
+
+
+@scenario("kill-9 in send", misses_allowed=CLAIM_ONLY)
+def kill9_in_send(ctx: Ctx) -> Outcome:
+    """As the kill-9 loop, with a 0.5 s pause between each won claim and its
+    send (``anarchon_test_send_delay``) so kills land between claim and send."""
+    with ctx.run(conf={"anarchon_test_send_delay": 0.5}) as run:
+        run.start(3)
+        deadline = run.started_at + ctx.duration - 8
+        kills = 0
+        while time.time() < deadline and kills < 100:
+            pause(2.5)
+            victim = ctx.rng.choice(run.cluster.running())
+            run.kill9(victim)
+            kills += 1
+            pause(1.5)
+            run.cluster.restart(victim)
+        ctx.note(f"{kills} kills")
+        return finish(run, ctx, ctx.duration)
+
+
+@scenario("SIGSTOP > lease", misses_allowed=CLAIM_ONLY)
+def sigstop(ctx: Ctx) -> Outcome:
+    """A random beat is frozen (SIGSTOP) for three leases (9 s), then thawed;
+    twice when the run is long enough."""
+    with ctx.run() as run:
+        run.start(3)
+        deadline = run.started_at + ctx.duration - 13
+        freezes = 0
+        while time.time() < deadline and freezes < 20:
+            pause(3)
+            victim = ctx.rng.choice(run.cluster.running())
+            run.signal(victim, signal.SIGSTOP)
+            pause(9)
+            run.signal(victim, signal.SIGCONT)
+            freezes += 1
+        ctx.note(f"{freezes} freezes of 9 s")
+        return finish(run, ctx, ctx.duration)
+
+
+@scenario("rolling restart")
+def rolling_restart(ctx: Ctx) -> Outcome:
+    """Each beat in turn gets SIGTERM and is restarted once it exited."""
+    with ctx.run() as run:
+        run.start(3)
+        rounds = 0
+        deadline = run.started_at + ctx.duration - 6
+        while time.time() < deadline and rounds < 100:
+            for proc in list(run.cluster.running()):
+                if time.time() >= deadline:
+                    break
+                pause(1.5)
+                run.cluster.stop([proc], timeout=15)
+                again = run.cluster.restart(proc)
+                run.cluster.wait_ticking([again], timeout=20)
+                rounds += 1
+        ctx.note(f"{rounds} restarts")
+        return finish(run, ctx, ctx.duration)
+
+
+@scenario("scale 1-5-1")
+def scale(ctx: Ctx) -> Outcome:
+    """One beat, then four more one by one, then back to one (SIGTERM)."""
+    with ctx.run() as run:
+        run.start(1)
+        step = max(1.0, (ctx.duration - 8) / 10)
+        for _ in range(4):
+            pause(step)
+            run.cluster.start(1)
+        pause(step * 2)
+        for proc in run.cluster.running()[1:]:
+            pause(step)
+            run.cluster.stop([proc], timeout=15)
+        return finish(run, ctx, ctx.duration)
+
+
+# -- the backend ------------------------------------------------------------------
+
+
+@scenario("backend cut", backends=NETWORKED, misses_allowed=True)
+def backend_cut(ctx: Ctx) -> Outcome:
+    """Every beat reaches the backend through a proxy, which drops every
+    connection and refuses new ones for 6 s."""
+    with (
+        Proxy(SERVICE_PORTS[ctx.backend]) as proxy,
+        ctx.run(beat_backend_port=proxy.port) as run,
+    ):
+        run.start(3)
+        pause(run.started_at + 4 - time.time())
+        proxy.cut()
+        pause(6)
+        proxy.restore()
+        return finish(run, ctx, ctx.duration)
+
+
+@scenario("backend restart", backends=("postgresql", "redis"), misses_allowed=True)
+def backend_restart(ctx: Ctx) -> Outcome:
+    """A server of the harness's own (Redis with an fsync'd append-only file;
+    PostgreSQL as the postgres user) is crashed and started again 3 s later."""
+    server: RedisServer | PostgresServer
+    if ctx.backend == "redis":
+        server = RedisServer(ctx.folder)
+    else:
+        if not PostgresServer.available():
+            raise Unavailable("PostgreSQL binaries (initdb, pg_ctl) are not installed")
+        server = PostgresServer(ctx.folder)
+    with server, ctx.run(backend_port=server.port) as run:
+        run.start(3)
+        pause(run.started_at + 4 - time.time())
+        server.crash()
+        pause(3)
+        server.start()
+        return finish(run, ctx, ctx.duration)
+
+
+def _slow(ctx: Ctx, latency: float) -> Outcome:
+    with (
+        Proxy(SERVICE_PORTS[ctx.backend]) as proxy,
+        ctx.run(beat_backend_port=proxy.port) as run,
+    ):
+        run.start(3)
+        pause(run.started_at + 3 - time.time())
+        proxy.latency = latency
+        pause(ctx.duration - 9)
+        proxy.latency = 0.0
+        return finish(run, ctx, ctx.duration)
+
+
+@scenario("latency 100 ms", backends=NETWORKED)
+def latency_100ms(ctx: Ctx) -> Outcome:
+    """Every reply from the backend is delayed 100 ms (proxy) for most of the run."""
+    return _slow(ctx, 0.1)
+
+
+@scenario("latency 1 s", backends=NETWORKED, misses_allowed=True)
+def latency_1s(ctx: Ctx) -> Outcome:
+    """Every reply from the backend is delayed 1 s (proxy) for most of the run."""
+    return _slow(ctx, 1.0)
+
+
+@scenario("stall", backends=NETWORKED, misses_allowed=True)
+def stall(ctx: Ctx) -> Outcome:
+    """The backend stops answering mid-reply for 8 s (connections stay
+    open, replies are held, then delivered)."""
+    with (
+        Proxy(SERVICE_PORTS[ctx.backend]) as proxy,
+        ctx.run(beat_backend_port=proxy.port) as run,
+    ):
+        run.start(3)
+        pause(run.started_at + 4 - time.time())
+        proxy.stall()
+        pause(8)
+        proxy.unstall()
+        return finish(run, ctx, ctx.duration)
+
+
+# -- the broker and the clock -------------------------------------------------------
+
+
+@scenario("broker outage", misses_allowed=("rabbitmq",))
+def broker_outage(ctx: Ctx) -> Outcome:
+    """One beat reaches Celery's broker through a proxy that is cut for 6 s
+    while claims still work: what it claimed meanwhile must be sent by
+    another beat (lease backends: no miss) or recorded (RabbitMQ: lost)."""
+    port = int(BROKER.split(":")[-1].split("/")[0])
+    with Proxy(port) as proxy, ctx.run() as run:
+        run.start(2)
+        cut_off = run.cluster.start(
+            1, env={"ITEST_BROKER": BROKER.replace(str(port), str(proxy.port))}
+        )
+        run.cluster.wait_ticking(cut_off, timeout=20)
+        pause(run.started_at + 4 - time.time())
+        proxy.cut()
+        pause(6)
+        proxy.restore()
+        return finish(run, ctx, ctx.duration)
+
+
+def _skewed(ctx: Ctx, offset: float) -> Outcome:
+    with ctx.run() as run:
+        run.start(2)
+        run.cluster.start(1, env=faketime_env(offset))
+        outcome = finish(run, ctx, ctx.duration)
+    early = max_early_s(outcome)
+    outcome.notes.append(f"sent at most {early:.1f} s before the slot")
+    outcome.extra["max_early_s"] = early
+    return outcome
+
+
+def max_early_s(outcome: Outcome) -> float:
+    """How long before its slot the earliest send happened, seconds, by the
+    backend's clock (``sent_at_ms`` is written with it on PostgreSQL, MySQL
+    and Redis; on SQLite with the clock of the process that sent)."""
+    early = 0.0
+    for records in outcome.history.values():
+        for r in records:
+            if r.sent_at_ms is not None:
+                early = max(early, (r.slot_ms - r.sent_at_ms) / 1000)
+    return early
+
+
+@scenario("clock +5 s")
+def skew_plus_5s(ctx: Ctx) -> Outcome:
+    """One beat of three runs 5 s ahead (libfaketime)."""
+    return _skewed(ctx, 5)
+
+
+@scenario("clock -60 s", misses_allowed=False)
+def skew_minus_60s(ctx: Ctx) -> Outcome:
+    """One beat of three runs 60 s behind (libfaketime)."""
+    return _skewed(ctx, -60)
+
+
+@scenario("clock +5 min")
+def skew_plus_5min(ctx: Ctx) -> Outcome:
+    """One beat of three runs 5 minutes ahead (libfaketime)."""
+    return _skewed(ctx, 300)
+
+
+class Unavailable(Exception):
+    """The scenario cannot run here (a binary or service is missing)."""
+
+
+#: The short (CI) profile: a representative subset, about 4 to 5 minutes in
+#: all with the bad-input cases. Why these: the kill -9 loop (the fault that
+#: matters most) on SQLite, Redis and RabbitMQ; every other family of fault
+#: once, on the backend where it says the most: a cut on PostgreSQL (the SQL
+#: path through a proxy), SIGSTOP, a real server restart, a 1 s latency, a
+#: clock 5 s fast and a broker outage on Redis (the recommended backend, the
+#: one whose server the harness can restart in a second), a clock 60 s slow
+#: on RabbitMQ (no claim window there: only the gate's lifetime protects).
+#: The rest (MySQL, every scenario everywhere, longer runs) is ``--long``.
+SHORT_DURATION = 16.0
+SHORT_PROFILE: list[tuple[str, str]] = [
+    ("kill-9 loop", "sqlite"),
+    ("backend cut", "postgresql"),
+    ("kill-9 loop", "redis"),
+    ("SIGSTOP > lease", "redis"),
+    ("backend restart", "redis"),
+    ("latency 1 s", "redis"),
+    ("clock +5 s", "redis"),
+    ("broker outage", "redis"),
+    ("kill-9 loop", "rabbitmq"),
+    ("clock -60 s", "rabbitmq"),
+]
+
+
+def long_profile(backends: tuple[str, ...] = ALL) -> list[tuple[str, str]]:
+    """Every scenario on every backend it applies to."""
+    return [
+        (name, backend)
+        for name, sc in SCENARIOS.items()
+        for backend in backends
+        if backend in sc.backends
+    ]
+
+
+__all__ = [
+    "LEASE_BACKENDS",
+    "SCENARIOS",
+    "SHORT_PROFILE",
+    "Ctx",
+    "Scenario",
+    "Unavailable",
+    "long_profile",
+]
