@@ -39,6 +39,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -395,7 +396,7 @@ def measure(
             timeline, cpu_rounds = watch(run, slot, jobs, rounds, args.wait)
             cpu1 = run.cpu()
             if spy is not None:
-                common.stop_process(spy, timeout=60)
+                stop_profile(spy)
             result.update(summarise(timeline, slot, jobs, period, rounds))
             result["lateness"] = lateness(timeline, slot, jobs, period, rounds)
             result["cpu_s"] = sum(cpu1) - sum(cpu0)
@@ -573,6 +574,16 @@ def start_profile(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+
+
+def stop_profile(spy: subprocess.Popen[bytes]) -> None:
+    """Stop py-spy early the way Ctrl-C does (SIGINT: it writes what it has)."""
+    if spy.poll() is None:
+        spy.send_signal(signal.SIGINT)
+    try:
+        spy.wait(60)
+    except subprocess.TimeoutExpired:
+        common.stop_process(spy)
 
 
 # -- report ------------------------------------------------------------------------

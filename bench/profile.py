@@ -125,7 +125,7 @@ def summarise(path: Path, top: int = 15) -> str:
 
 def summarise_folder(folder: Path) -> str:
     files = sorted(folder.glob("*.txt")) if folder.is_dir() else [folder]
-    return "\n\n".join(summarise(f) for f in files if f.stat().st_size)
+    return "\n\n".join(summarise(f) for f in files if f.exists() and f.stat().st_size)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
