@@ -419,8 +419,36 @@ class Scheduler(beat.Scheduler):
         """Read settings, validate every job, connect, and plan first slots.
 
         Raises:
-            ConfigurationError: any bad setting, schedule or backend URL.
+            ConfigurationError: any bad setting, schedule or backend URL; the
+                message lists every problem found (as ``celery anarchon
+                check`` does), not only the first.
         """
+        try:
+            self._set_up()
+        except (ConfigurationError, TypeError) as exc:
+            raise self._every_problem(exc) from None
+
+    def _every_problem(self, first: Exception) -> ConfigurationError:
+        """One error naming every configuration problem, each also logged on
+        one CRITICAL line, so a user fixes them all in one restart."""
+        from .cli import _run_check  # the check command's own collector
+
+        try:
+            problems = [
+                p["message"] for p in _run_check(self.app, self.schedule_filename, False).problems
+            ]
+        except Exception:  # the collector itself failed: report the first
+            problems = []
+        if not problems:
+            problems = [str(first)]
+        for message in problems:
+            logger.critical("anarchon: %s", message)
+        return ConfigurationError(
+            f"beat cannot start: {len(problems)} configuration problem(s):\n  - "
+            + "\n  - ".join(problems)
+        )
+
+    def _set_up(self) -> None:
         self.install_default_entries(self.data)
         self.merge_inplace(self.app.conf.beat_schedule)
         self._settings = Settings.from_app(self.app, schedule_filename=self.schedule_filename)

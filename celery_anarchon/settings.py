@@ -12,6 +12,7 @@ start-up, naming the job (when per-job), the setting and the fix.
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -170,6 +171,7 @@ class Settings:
             ConfigurationError: a value is of the wrong type or out of range.
         """
         conf = app.conf
+        _refuse_unknown_settings(conf)
         explicit = frozenset(k for k in _GLOBAL_KEYS if conf.get(f"anarchon_{k}") is not None)
 
         def get(key: str, default: Any) -> Any:
@@ -251,8 +253,8 @@ class Settings:
         unknown = sorted(set(overrides) - JOB_KEYS)
         if unknown:
             raise ConfigurationError(
-                f"beat_schedule[{job!r}]['anarchon']: unknown key(s) {', '.join(unknown)}; "
-                f"allowed: {', '.join(sorted(JOB_KEYS))}."
+                f"beat_schedule[{job!r}]['anarchon']: unknown key(s) {', '.join(unknown)}."
+                f"{_did_you_mean(unknown[0], JOB_KEYS)} Allowed: {', '.join(sorted(JOB_KEYS))}."
             )
         d = self.defaults
         o = overrides
@@ -304,6 +306,43 @@ _GLOBAL_KEYS = (
     "catch_up_window",
     "catch_up_limit",
 )
+
+
+#: Every ``anarchon_*`` setting this package reads (any module).
+KNOWN_SETTINGS = frozenset(
+    {f"anarchon_{key}" for key in _GLOBAL_KEYS}
+    | {
+        "anarchon_backend",
+        "anarchon_backend_options",
+        "anarchon_allow_eviction",
+        "anarchon_expires",
+        "anarchon_registry_ttl",
+        "anarchon_metrics_port",
+        "anarchon_metrics_addr",
+        "anarchon_worker_strict",
+        "anarchon_test_send_delay",
+    }
+)
+
+
+def _did_you_mean(name: str, choices: Any) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def _refuse_unknown_settings(conf: Any) -> None:
+    """A misspelled ``anarchon_*`` setting would be silently ignored."""
+    for key in conf:
+        name = str(key).lower()
+        for prefix in ("celery_", ""):
+            if name.startswith(f"{prefix}anarchon_"):
+                setting = name[len(prefix) :]
+                if setting not in KNOWN_SETTINGS:
+                    raise ConfigurationError(
+                        f"{key}: unknown setting.{_did_you_mean(setting, KNOWN_SETTINGS)} "
+                        "See the configuration reference for every anarchon_* setting."
+                    )
+                break
 
 
 def _check_jitter(options: JobOptions, job: str | None) -> None:

@@ -519,11 +519,18 @@ def _cron_slots(expr: str, zone: tzinfo, job: str, *, day_or: bool, kind: str) -
     try:
         slots = CronSlots(expr, zone, day_or=day_or, hash_id=hash_id, kind=kind)
     except (CroniterError, ValueError, TypeError) as exc:
+        if 5 <= len(fields) <= 7:
+            fix = (
+                "each field within its range: minute 0-59, hour 0-23, day-of-month 1-31, "
+                "month 1-12, day-of-week 0-6 (Sunday 0), seconds (6th) 0-59"
+            )
+        else:
+            fix = (
+                "give 5 fields 'minute hour day-of-month month day-of-week', "
+                "6 with seconds last, 7 with a year last, or an alias such as '@daily'"
+            )
         raise _config_error(
-            job,
-            f"cannot read cron {expr!r} ({str(exc).rstrip('.')})",
-            "give 5 fields 'minute hour day-of-month month day-of-week', "
-            "6 with seconds last, or an alias such as '@daily'",
+            job, f"cannot read cron {expr!r} ({str(exc).rstrip('.')})", fix
         ) from exc
     return slots
 

@@ -257,3 +257,33 @@ def test_a_job_more_frequent_than_the_jitter_never_falls_behind(
         assert window == [int((t0 + i) * 1000) for i in range(7)]  # every one, none missed
     finally:
         s.close()
+
+
+def test_start_up_names_every_bad_entry_at_once(tmp_path: Path) -> None:
+    schedule = {
+        "typo": {"task": "t", "schedul": 5.0},
+        "hour25": {"task": "t", "schedule": "*/15 25 * * *"},
+        "jiter": {"task": "t", "schedule": 5.0, "anarchon": {"jiter": 1}},
+    }
+    with pytest.raises(ConfigurationError) as err:
+        Scheduler(make_app(tmp_path, schedule))
+    message = str(err.value)
+    assert "3 configuration problem(s)" in message
+    for words in ("'typo'", "Did you mean 'schedule'", "'hour25'", "hour 0-23", "'jiter'"):
+        assert words in message
+
+
+def test_a_missing_database_driver_names_the_extra(
+    tmp_path: Path, every_second: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The driver is installed here, so hide it: the one failure a real
+    # install cannot show on this machine.
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "psycopg" else real(name, *a)
+    )
+    app = make_app(tmp_path, every_second, anarchon_backend="postgresql://db/proj")
+    with pytest.raises(ConfigurationError, match=r"psycopg.*celery-anarchon\[postgres\]"):
+        Scheduler(app)

@@ -106,7 +106,7 @@ def test_bad_global_settings_are_refused(conf: dict[str, object], words: list[st
 @pytest.mark.parametrize(
     ("overrides", "words"),
     [
-        ({"jitters": 1}, ["'nightly'", "jitters", "allowed"]),
+        ({"jitters": 1}, ["'nightly'", "jitters", "Did you mean 'jitter'", "Allowed"]),
         ({"max_late": "soon"}, ["'nightly'", "max_late"]),
         ({"overlap": "wait"}, ["'nightly'", "overlap"]),
         ({"anchor": datetime(2026, 1, 1)}, ["'nightly'", "anchor", "naive"]),
@@ -119,3 +119,20 @@ def test_bad_per_job_options_name_the_job(overrides: object, words: list[str]) -
         s.job_options("nightly", overrides)  # type: ignore[arg-type]
     for word in words:
         assert word in str(err.value)
+
+
+def test_a_misspelled_setting_is_refused_with_a_suggestion() -> None:
+    with pytest.raises(
+        ConfigurationError, match="anarchon_max_lat.*Did you mean 'anarchon_max_late'"
+    ):
+        Settings.from_app(make_app(anarchon_max_lat=30))
+
+
+def test_a_misspelled_django_setting_is_refused() -> None:
+    class DjangoSettings:
+        CELERY_ANARCHON_JITER = 1
+
+    app = Celery("django-typo", set_as_current=False)
+    app.config_from_object(DjangoSettings, namespace="CELERY")
+    with pytest.raises(ConfigurationError, match="Did you mean 'anarchon_jitter'"):
+        Settings.from_app(app)

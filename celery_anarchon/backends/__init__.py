@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.util
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -40,6 +41,18 @@ BACKENDS: dict[str, str] = {
 
 #: Extra to install for a driver that is missing, by module name.
 _EXTRAS = {"psycopg": "postgres", "pymysql": "mysql"}
+
+#: The database driver each SQL scheme needs (imported by SQLAlchemy only
+#: when it connects, so checked up front for a clear start-up error).
+_DRIVERS = {
+    "postgresql": "psycopg",
+    "postgresql+psycopg": "psycopg",
+    "postgres": "psycopg",
+    "mysql": "pymysql",
+    "mysql+pymysql": "pymysql",
+    "mariadb": "pymysql",
+    "mariadb+pymysql": "pymysql",
+}
 
 
 def sanitize_url(url: str) -> str:
@@ -79,6 +92,12 @@ def backend_class(url: str) -> type[Backend]:
         raise ConfigurationError(
             f"anarchon_backend {sanitize_url(url)!r} needs the {missing!r} package: {fix}"
         ) from exc
+    driver = _DRIVERS.get(scheme)
+    if driver is not None and importlib.util.find_spec(driver) is None:
+        raise ConfigurationError(
+            f"anarchon_backend {sanitize_url(url)!r} needs the {driver!r} package: "
+            f"pip install 'celery-anarchon[{_EXTRAS[driver]}]'"
+        )
     cls: type[Backend] = getattr(module, class_name)
     return cls
 
@@ -140,9 +159,11 @@ def backend_from_url(
 def _checked(cls: type[Backend], options: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(options) - set(cls.options))
     if unknown:
+        close = difflib.get_close_matches(unknown[0], cls.options, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ConfigurationError(
             f"anarchon_backend_options: unknown option(s) {', '.join(unknown)} for "
-            f"{cls.__name__}; it accepts {', '.join(sorted(cls.options)) or 'none'}."
+            f"{cls.__name__}.{hint} It accepts {', '.join(sorted(cls.options)) or 'none'}."
         )
     return options
 
