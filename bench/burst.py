@@ -354,7 +354,7 @@ def choose_slot(run: Run, ready_at: float, fixed: float | None) -> float:
     messages of an earlier round (start-up catch-up) still arrive."""
     period = run.period
     slot = fixed if fixed is not None else math.ceil((ready_at + 3) / period) * period
-    for _ in range(10):  # bounded: at most ten periods of waiting
+    for _ in range(3):  # bounded: at most three periods of waiting
         time.sleep(max(0.0, slot - LEAD_S - 0.7 - time.time()))
         before = run.length()
         time.sleep(0.5)
@@ -720,6 +720,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--keep-logs", action="store_true")
     parser.add_argument("--json", help="write raw results to this file")
     args = parser.parse_args(argv)
+    common.exit_on_sigterm()
     jitters = [float(j) for j in args.jitters.split(",") if j.strip()]
     configs = parse_configs(args.configs, jitters)
     if any(c.kind == "redbeat" for c in configs) and not redbeat_installed():

@@ -470,6 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", help="write raw results to this file")
     args = parser.parse_args(argv)
+    common.exit_on_sigterm()
     names = [n.strip() for n in args.backends.split(",") if n.strip()]
     print(common.header("Claim round trip"))
     results = []

@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -311,6 +312,17 @@ def drop_sql_tables(url: str, prefix: str) -> None:
                 conn.exec_driver_sql(f"DROP TABLE IF EXISTS {name}")
     finally:
         engine.dispose()
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into ``SystemExit`` so that clean-up (``finally``) runs:
+    every process, key, table and queue a benchmark made is removed even when
+    it is stopped early (SIGINT may be ignored in a background job)."""
+
+    def handler(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def write_json(path: str | None, data: Any) -> None:

@@ -331,6 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--history-size", type=int, default=100)
     parser.add_argument("--json", help="write raw results to this file")
     args = parser.parse_args(argv)
+    common.exit_on_sigterm()
     print(common.header("Backend footprint"))
     results = []
     for name in (n.strip() for n in args.backends.split(",") if n.strip()):

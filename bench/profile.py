@@ -90,7 +90,7 @@ def summarise(path: Path, top: int = 15) -> str:
         joined = ";".join(frames)
         part = next((name for name, marker in PARTS if marker in joined), "other")
         parts[part] += n
-        fn = frames[-1].split(" (", 1)[0] if frames else ""
+        fn = frames[-1].split(" (", 1)[0].rsplit(".", 1)[-1] if frames else ""
         if fn in _WAIT_LEAVES:
             waiting[part] += n
         for frame in set(frames):

@@ -283,6 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", help="write raw results to this file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    common.exit_on_sigterm()
     if args.child:
         size, backend = args.child.split(":")
         print(json.dumps(child(int(size), backend, args.idle, args.due)))
