@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 from zoneinfo import ZoneInfo
 
@@ -70,10 +70,10 @@ BACKOFF_MIN = 1.0
 BACKOFF_MAX = 30.0
 
 #: Kinds of heap events: a job's next slot is due; claim a slot after this
-#: instance's claim delay; check whether a lost
-#: slot's owner died (backup runner); claim a slot missed while every
-#: instance was down (catch-up).
-DUE, CLAIM, TAKE_OVER, CATCH_UP = 0, 1, 2, 3
+#: instance's claim delay; check whether a lost slot's owner died (backup
+#: runner); claim a slot missed while every instance was down (catch-up);
+#: record lost a claim whose send failed and that no backup took over.
+DUE, CLAIM, TAKE_OVER, CATCH_UP, SEND_FAILED = 0, 1, 2, 3, 4
 
 #: How long a run that was sent but never started counts as in flight for
 #: ``overlap='skip'``, seconds (a worker backlog of up to an hour).
@@ -90,6 +90,9 @@ TICK_BUDGET = 1.0
 #: job skips ahead without counting (a stall of days for a 1 ms interval).
 MAX_MISSES_RECORDED = 100
 MAX_MISSES_COUNTED = 1_000_000
+
+#: Most records queued while the backend is away (the newest are kept).
+MAX_UNRECORDED = 100_000
 
 
 def task_id_for(job: str, slot_ms: int) -> str:
@@ -160,6 +163,12 @@ class Entry(beat.ScheduleEntry):
             schedule = cron(schedule)
         elif isinstance(schedule, datetime):
             schedule = oneoff(schedule)
+        elif not isinstance(schedule, (int, float, timedelta)) and not hasattr(schedule, "is_due"):
+            raise ConfigurationError(
+                f"beat_schedule[{name!r}]['schedule']: {schedule!r} is not a schedule. Fix: "
+                "give seconds, a timedelta, a crontab/solar/cron object, a cron string "
+                "or an aware datetime."
+            )
         self.anarchon = dict(anarchon or {})
         super().__init__(
             name=name,
@@ -397,8 +406,14 @@ class Scheduler(beat.Scheduler):
         self._peers: list[str] = []
         #: won claims not yet sent, released on shutdown (hand-over)
         self._held: dict[tuple[str, int], Claim] = {}
+        #: records (job, slot, state, error) to write once the backend answers
+        self._unrecorded: collections.deque[tuple[str, int, State, str]] = collections.deque(
+            maxlen=MAX_UNRECORDED
+        )
         #: slots lost to another owner and due a take-over check: (job, slot)
         self._take_over_due: set[tuple[str, int]] = set()
+        #: claims whose send failed, left to a backup: (job, slot) -> (claim, error)
+        self._failed_sends: dict[tuple[str, int], tuple[Claim, str]] = {}
         #: (job, instance, definition) drift already warned about
         self._drift_seen: set[tuple[str, str, str]] = set()
         self._seq = 0
@@ -623,6 +638,8 @@ class Scheduler(beat.Scheduler):
             self._connect()
         if self._backend_ready and now >= self._next_heartbeat:
             self._heartbeat(now)
+        if self._backend_ready and self._unrecorded:
+            self._record_after_outage()
         # A job has one slot in the heap at a time, so after a stall or at
         # start-up its next slots can be due at once: keep taking rounds,
         # each one batch, for at most TICK_BUDGET seconds, then yield to beat.
@@ -656,6 +673,8 @@ class Scheduler(beat.Scheduler):
             late = now_ms > slot_ms + _ms(job.options.max_late)
             if kind == TAKE_OVER:
                 self._take_over(job, slot_ms, now_ms)
+            elif kind == SEND_FAILED:
+                self._close_failed_send(job, slot_ms)
             elif kind == CATCH_UP:
                 to_claim.append((job, slot_ms, True))
             elif kind == DUE and late:
@@ -696,7 +715,7 @@ class Scheduler(beat.Scheduler):
         assert self._settings is not None
         lost = [Claim(job.name, slot_ms, won=False, reason="unknown") for job, slot_ms, _ in due]
         if not self._backend_ready or self._backend is None:
-            self._outage_lost += len(due)
+            self._retry_later(due)
             return lost
         now_ms = self._now_ms()
         requests = [
@@ -711,7 +730,7 @@ class Scheduler(beat.Scheduler):
         except BackendUnavailable as exc:
             self.metrics.backend_error("claim")
             self._on_outage(exc)
-            self._outage_lost += len(due)
+            self._retry_later(due)
             return lost
         except Exception:  # never let a backend bug stop beat; never send unclaimed
             logger.exception("anarchon: claim failed; %d slot(s) not sent", len(due))
@@ -722,6 +741,15 @@ class Scheduler(beat.Scheduler):
             logger.error("anarchon: backend answered %d of %d claims", len(claims), len(due))
             return lost
         return claims
+
+    def _retry_later(self, due: Sequence[tuple[Job, int, bool]]) -> None:
+        """The backend did not answer: try these claims again when it is
+        retried. A slot that is past ``max_late`` by then is recorded
+        ``missed`` once the backend answers (never silently dropped)."""
+        self._outage_lost += len(due)
+        retry_ms = max(int(self._retry_at * 1000), self._now_ms() + 1000)
+        for job, slot_ms, catch_up in due:
+            self._push_event(retry_ms, CATCH_UP if catch_up else CLAIM, job.name, slot_ms)
 
     def _catch_up_request(self, job: Job, slot_ms: int, now_ms: int) -> ClaimRequest:
         """A claim request for a catch-up slot: its window reaches back to it."""
@@ -736,13 +764,16 @@ class Scheduler(beat.Scheduler):
     def _plan_take_over(self, job: Job, slot_ms: int, now_ms: int) -> None:
         """After losing ``slot_ms``, plan to check it once the winner's lease
         ends: if the winner died before recording its send, this instance
-        takes the slot over. Only the first backup in the slot's rendezvous
-        order checks when a registry is known, so a healthy cluster spends
-        one check per slot, not one per instance."""
+        takes the slot over.
+
+        With a registry, only the two first instances of the slot's
+        rendezvous order check (whichever of them lost): the winner is
+        usually one of them, and the other then checks; so a healthy cluster
+        spends at most two checks per slot, not one per instance."""
         backend = self._backend
         if backend is None or not backend.supports_leases:
             return
-        if len(self._peers) > 1 and self._rank(job.name, slot_ms) != 1:
+        if len(self._peers) > 2 and self._rank(job.name, slot_ms) > 1:
             return
         lease_ms = _ms(job.options.lease_ttl)
         if now_ms + lease_ms > slot_ms + _ms(job.options.max_late):
@@ -876,15 +907,9 @@ class Scheduler(beat.Scheduler):
                 expires=self._expires(job, claim.slot_ms),
             )
         except Exception as exc:
-            logger.error(
-                "anarchon: won %s @ %s but sending failed: %r; recorded as lost",
-                job.name,
-                _iso(claim.slot_ms),
-                exc,
-            )
             self._held.pop((job.name, claim.slot_ms), None)
-            self._mark(claim, State.LOST, task_id=task_id, error=f"send failed: {exc!r}")
             self.metrics.send_failed(job.name)
+            self._on_send_failed(job, claim, task_id, exc)
             return
         self._held.pop((job.name, claim.slot_ms), None)
         self.metrics.won(job.name, self._clock() - claim.slot_ms / 1000)
@@ -902,6 +927,46 @@ class Scheduler(beat.Scheduler):
                 "sent it; the worker integration discards the second delivery",
                 job.name,
                 _iso(claim.slot_ms),
+            )
+
+    def _on_send_failed(self, job: Job, claim: Claim, task_id: str, exc: Exception) -> None:
+        """Sending a won slot failed (this instance cannot reach Celery's
+        broker). On a lease backend the claim is left to expire, so a backup
+        that can reach the broker takes the slot over and sends it; if none
+        did by ``max_late``, this instance records it ``lost`` (fenced: a
+        take-over leaves its record alone). A claim-only backend cannot hand
+        the slot on: it is recorded ``lost`` at once."""
+        error = f"send failed: {exc!r}"
+        backend = self._backend
+        if backend is None or not backend.supports_leases:
+            logger.error(
+                "anarchon: won %s @ %s but sending failed: %r; recorded as lost",
+                job.name,
+                _iso(claim.slot_ms),
+                exc,
+            )
+            self._mark(claim, State.LOST, task_id=task_id, error=error)
+            return
+        logger.error(
+            "anarchon: won %s @ %s but sending failed: %r; left for a backup instance "
+            "to take over when the lease ends",
+            job.name,
+            _iso(claim.slot_ms),
+            exc,
+        )
+        self._failed_sends[(job.name, claim.slot_ms)] = (claim, error)
+        lease_end = self._now_ms() + _ms(job.options.lease_ttl)
+        last_chance = claim.slot_ms + _ms(job.options.max_late)
+        self._push_event(max(lease_end, last_chance) + 1000, SEND_FAILED, job.name, claim.slot_ms)
+
+    def _close_failed_send(self, job: Job, slot_ms: int) -> None:
+        """No backup took the slot over: record this instance's claim lost."""
+        failed = self._failed_sends.pop((job.name, slot_ms), None)
+        if failed is not None and self._mark(failed[0], State.LOST, error=failed[1]):
+            logger.warning(
+                "anarchon: %s @ %s: sending failed and no backup sent it; recorded lost",
+                job.name,
+                _iso(slot_ms),
             )
 
     def _expires(self, job: Job, slot_ms: int) -> datetime | None:
@@ -983,6 +1048,7 @@ class Scheduler(beat.Scheduler):
     def _record_if_absent(self, job: Job, slot_ms: int, state: State, error: str) -> bool:
         assert self._settings is not None
         if not self._backend_ready or self._backend is None:
+            self._unrecorded.append((job.name, slot_ms, state, error))
             return False
         try:
             return self._backend.record_if_absent(
@@ -996,9 +1062,26 @@ class Scheduler(beat.Scheduler):
             )
         except BackendUnavailable as exc:
             self._on_outage(exc)
+            self._unrecorded.append((job.name, slot_ms, state, error))
         except Exception:
             logger.exception("anarchon: recording %s for %s failed", state, job.name)
         return False
+
+    def _record_after_outage(self) -> None:
+        """Write the records that could not be written while the backend was
+        away (oldest first; the queue keeps the newest MAX_UNRECORDED)."""
+        pending, self._unrecorded = list(self._unrecorded), collections.deque(maxlen=MAX_UNRECORDED)
+        recorded = 0
+        for name, slot_ms, state, error in pending:
+            job = self._jobs.get(name)
+            if job is not None and self._record_if_absent(job, slot_ms, state, error):
+                recorded += 1
+            if not self._backend_ready:
+                return  # away again: the rest stays queued
+        if recorded:
+            logger.warning(
+                "anarchon: recorded %d slot(s) missed while the backend was away", recorded
+            )
 
     # -- backend connection and outages ------------------------------------
 

@@ -182,14 +182,6 @@ def test_rolling_restart_of_three_beats(backend: str, tmp_path: Path) -> None:
 # -- found by these tests ------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="scheduler bug (reported to the lead): only the loser ranked 1 in its own "
-    "rendezvous view plans a take-over, so when the slot's winner is the rank-1 "
-    "instance itself (the preferred owner was late) or the views disagree (an "
-    "instance joined less than a heartbeat ago), nobody takes over and the slot "
-    "stays 'claimed' forever: never sent, never recorded missed",
-)
 def test_take_over_when_the_first_backup_won_and_died(backend: str, tmp_path: Path) -> None:
     """Three schedulers that know each other; the slot's first backup (rank
     1) wins it because the preferred owner was late, then dies before

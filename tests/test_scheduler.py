@@ -61,13 +61,15 @@ def sent_messages(app: Celery) -> list[dict[str, Any]]:
 
 @pytest.fixture
 def t0() -> float:
-    """A whole second just past the real now.
+    """A whole second 10 s past the real now (a loaded machine may take
+    seconds to set a test up, and the backend refuses slots older than its
+    own now minus max_late).
 
     The SQLite backend judges the claim window by the process clock, so the
     test clock starts at the real time and moves forward by hand from there
     (``anarchon_max_skew`` is widened to let it run ahead).
     """
-    return float(int(time.time()) + 1)
+    return float(int(time.time()) + 10)
 
 
 @pytest.fixture
@@ -287,3 +289,9 @@ def test_a_missing_database_driver_names_the_extra(
     app = make_app(tmp_path, every_second, anarchon_backend="postgresql://db/proj")
     with pytest.raises(ConfigurationError, match=r"psycopg.*celery-anarchon\[postgres\]"):
         Scheduler(app)
+
+
+def test_a_schedule_of_the_wrong_type_names_the_job(tmp_path: Path) -> None:
+    schedule = {"listed": {"task": "t", "schedule": [5]}}
+    with pytest.raises(ConfigurationError, match=r"'listed'.*\[5\] is not a schedule"):
+        Scheduler(make_app(tmp_path, schedule))
