@@ -185,6 +185,29 @@ def test_release_lets_another_instance_claim(make_backend: BackendFactory, job: 
     assert [(r.state, r.instance) for r in b.history(job)] == [(State.CLAIMED, "host-b")]
 
 
+def test_take_over_claims_a_released_slot(make_backend: BackendFactory, job: str) -> None:
+    a, b = make_backend("host-a"), make_backend("host-b")
+    lease_only(a)
+    req = request_for(a, job)
+    claim = a.claim([req])[0]
+    assert not b.claim([req])[0].won
+    a.release([claim])  # hand-over on shutdown
+    taken = b.take_over(req)
+    assert taken.won and isinstance(taken.token, int)
+    # (A released claim is never used again by its holder, which is shutting
+    # down; SQL may hand the same token 1 out again, Redis the next one.)
+    assert b.mark(taken, State.SENT, task_id="new")
+    assert [(r.state, r.instance) for r in b.history(job)][0] == (State.SENT, "host-b")
+
+
+def test_take_over_leaves_a_live_lease_alone(make_backend: BackendFactory, job: str) -> None:
+    a, b = make_backend("host-a"), make_backend("host-b")
+    lease_only(a)
+    req = request_for(a, job)
+    assert a.claim([req])[0].won
+    assert not b.take_over(req).won
+
+
 def test_release_leaves_a_sent_slot_alone(make_backend: BackendFactory, job: str) -> None:
     a, b = make_backend("host-a"), make_backend("host-b")
     lease_only(a)

@@ -187,7 +187,9 @@ return token
 # ARGV[1..8] - as for LUA_CLAIM_SCRIPT
 # return the new fencing token (old + 1) when taken over, 0 when the slot is
 # not a scheduled run in state 'claimed' with an expired lease, -1 when
-# outside the window. The old record stays in history as 'superseded'.
+# outside the window. The old record stays in history as 'superseded'. A
+# slot with no record and no live claim (never claimed, or released on
+# hand-over) is claimed as by LUA_CLAIM_SCRIPT.
 LUA_TAKE_OVER_SCRIPT = """
 local slot = tonumber(ARGV[1])
 local now = now_ms()
@@ -196,7 +198,21 @@ if outside_window(slot, now, tonumber(ARGV[3]), tonumber(ARGV[4])) then
 end
 local raw = redis.call('HGET', KEYS[2], ARGV[1])
 if not raw then
-    return 0
+    local guard = redis.call('GET', KEYS[1])
+    if guard and tonumber(guard) >= 0 then
+        return 0
+    end
+    local token = 1
+    if guard then
+        token = 1 - tonumber(guard)
+    end
+    local keep_until = tonumber(ARGV[5])
+    set_guard(KEYS[1], token, keep_until, now)
+    put_run(KEYS[2], KEYS[3], ARGV[1], ARGV[1], {
+        slot_ms = slot, state = 'claimed', instance = ARGV[2], token = token,
+        claimed_at_ms = now, lease_until_ms = now + tonumber(ARGV[6]),
+        keep_until_ms = keep_until})
+    return token
 end
 local run = cjson.decode(raw)
 if run.state ~= 'claimed' or run.manual_key or (run.lease_until_ms or 0) > now then
