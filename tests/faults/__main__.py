@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--publish", action="store_true", help=f"rewrite the table in {DOC}")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--keep", type=Path, help="leave each row's logs in this folder")
     parser.add_argument("--list", action="store_true", help="list scenarios and exit")
     args = parser.parse_args(argv)
     if args.list:
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown scenario(s): {', '.join(sorted(unknown))}")
         plan = [(s, b) for s, b in long_profile(backends) if s in wanted]
     duration = args.duration or (60.0 if args.long else SHORT_DURATION)
-    rows = run_campaign(plan, duration, seed=args.seed)
+    rows = run_campaign(plan, duration, seed=args.seed, keep=args.keep)
     if not args.no_bad_input:
         rows += run_bad_input(backends)
     found = versions()

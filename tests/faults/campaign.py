@@ -11,7 +11,11 @@ A row is one scenario on one backend. Its checks (issue 7, "Expected"):
   backend (or, on RabbitMQ, the broker) away, where misses are the
   documented price;
 * ``sent-early``: on a backend with a server clock, no slot sent more than
-  ``max_skew`` before its time (a beat whose clock runs fast).
+  ``max_skew`` before its time (a beat whose clock runs fast);
+* ``status-offset``: there, ``celery anarchon status`` shows the skewed
+  beat's clock offset (within 2 s);
+* ``skewed-beat-died``: the beat with the shifted clock was still running
+  at the end (so the row really tested it).
 """
 
 from __future__ import annotations
@@ -80,6 +84,12 @@ def judge(outcome: Outcome, misses_allowed: bool, backend: str = "") -> list[str
     early = outcome.extra.get("max_early_s", 0.0)
     if backend in SERVER_CLOCK and early > BASE_CONF["anarchon_max_skew"]:
         failed.append("sent-early")
+    if outcome.extra.get("skewed_alive") is False:
+        failed.append("skewed-beat-died")
+    if backend in SERVER_CLOCK and "skew_s" in outcome.extra:
+        shown = outcome.extra.get("status_offset_s")
+        if shown is None or abs(shown - outcome.extra["skew_s"]) > 2:
+            failed.append("status-offset")
     if counts["dup_executed"]:
         failed.append("dup-exec")
     if counts["unexplained_dup_published"]:
@@ -151,12 +161,17 @@ def run_campaign(
     *,
     seed: int = 7,
     log: Any = print,
+    keep: Path | None = None,
 ) -> list[Row]:
-    """Run every ``(scenario, backend)`` of ``plan`` in order."""
+    """Run every ``(scenario, backend)`` of ``plan`` in order; each row's
+    logs go to a scratch folder, removed afterwards unless ``keep`` names
+    a folder to leave them in."""
     rows = []
     with campaign_services({b for _, b in plan}), tempfile.TemporaryDirectory() as tmp:
+        root = keep or Path(tmp)
         for i, (name, backend) in enumerate(plan):
-            folder = Path(tmp) / f"{i:03d}-{backend}"
+            slug = "".join(c if c.isalnum() else "-" for c in name)
+            folder = root / f"{i:03d}-{slug}-{backend}"
             log(f"[{i + 1}/{len(plan)}] {name} on {backend} ({duration:g} s) ...")
             row = run_row(name, backend, duration, folder, seed + i)
             log(f"    {row.verdict()}  {row.counts}  ({row.seconds} s)")

@@ -47,8 +47,9 @@ from .app import SCHEDULES
 BACKENDS = ("sqlite", "postgresql", "mysql", "redis", "rabbitmq")
 LEASE_BACKENDS = ("sqlite", "postgresql", "mysql", "redis")
 
-#: The RabbitMQ vhost of the campaign (made and deleted by the harness).
-RABBIT_VHOST = "anarchon-faults"
+#: The RabbitMQ vhost of the campaign, unique per process (made and deleted
+#: by the harness), so parallel runs never share one.
+RABBIT_VHOST = f"anarchon-faults-{uuid.uuid4().hex[:6]}"
 
 #: Settings every fault run uses unless the scenario says otherwise: a short
 #: lease so backup runners act within a run of a few tens of seconds, a
@@ -112,12 +113,14 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
 
 
 def faketime_env(offset_s: float) -> dict[str, str]:
-    """Environment that shifts a process's clock by ``offset_s`` seconds
-    (libfaketime; monotonic clocks are left alone)."""
+    """Environment that shifts a process's clocks by ``offset_s`` seconds
+    (libfaketime). Monotonic clocks shift too: with
+    ``FAKETIME_DONT_FAKE_MONOTONIC=1`` libfaketime 0.9.10 makes Python's
+    ``time.sleep`` fail with EINVAL (an absolute ``clock_nanosleep``), and a
+    constant shift changes no monotonic difference anyway."""
     return {
         "LD_PRELOAD": FAKETIME_LIB,
         "FAKETIME": f"{offset_s:+g}",
-        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
         "FAKETIME_NO_CACHE": "1",
     }
 
@@ -350,13 +353,7 @@ class FaultRun:
         self.cluster.stop(timeout=10)
         self.cluster.stop_workers(timeout=10)
         if self._declared:
-            try:
-                with Connection(BROKER, connect_timeout=5) as conn:
-                    channel = conn.default_channel
-                    for queue in self._queues():
-                        queue.bind(channel).delete()
-            except Exception:  # the broker may be what a scenario broke
-                pass
+            drop_broker_keys(BROKER, self.cluster.queue)
         drop_backend_data(self.name, self.url, self.run_id)
 
     # -- processes -------------------------------------------------------------
@@ -502,6 +499,26 @@ def drain(
         finally:
             simple.close()
     return found
+
+
+def drop_broker_keys(broker: str, queue: str) -> None:
+    """Remove the run's queues and every binding table kombu's Redis
+    transport kept for them (``queue.delete()`` leaves the exchange's
+    tables behind), on the Redis broker of the harness."""
+    import redis
+
+    names = [queue, f"{queue}.audit"]
+    keys = names + [
+        f"_kombu.{table}.{name}" for table in ("binding", "binding_permanent") for name in names
+    ]
+    try:
+        client = redis.Redis.from_url(broker, socket_timeout=3)
+        try:
+            client.delete(*keys)
+        finally:
+            client.close()
+    except Exception:  # the broker may be what a scenario broke
+        pass
 
 
 def drop_backend_data(name: str, url: str, run: str) -> None:
