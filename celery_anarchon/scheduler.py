@@ -894,7 +894,10 @@ class Scheduler(beat.Scheduler):
             )
             return
         task_id = task_id_for(job.name, claim.slot_ms)
-        self._held[(job.name, claim.slot_ms)] = claim
+        # Not released on shutdown from here on: a publish interrupted after
+        # it reached the broker must fall to lease expiry (the documented
+        # window, leaving a superseded record), never to a hand-over.
+        self._held.pop((job.name, claim.slot_ms), None)
         try:
             send_slot(
                 self.app,
@@ -1072,7 +1075,11 @@ class Scheduler(beat.Scheduler):
         away (oldest first; the queue keeps the newest MAX_UNRECORDED)."""
         pending, self._unrecorded = list(self._unrecorded), collections.deque(maxlen=MAX_UNRECORDED)
         recorded = 0
-        for name, slot_ms, state, error in pending:
+        deadline = time.monotonic() + TICK_BUDGET / 2
+        for index, (name, slot_ms, state, error) in enumerate(pending):
+            if time.monotonic() > deadline:  # the rest in later ticks
+                self._unrecorded.extend(pending[index:])
+                break
             job = self._jobs.get(name)
             if job is not None and self._record_if_absent(job, slot_ms, state, error):
                 recorded += 1
@@ -1086,10 +1093,21 @@ class Scheduler(beat.Scheduler):
     # -- backend connection and outages ------------------------------------
 
     def _connect(self) -> None:
+        """Open the backend and probe it with one real round trip. Before
+        start-up ends a ConfigurationError stops beat; after it, the problem
+        (a Redis restarted with eviction, a changed password) is logged at
+        every retry and beat keeps ticking, sending nothing unclaimed."""
         assert self._backend is not None
         try:
             self._backend.open()
+            self._backend.now_ms()  # open() may answer from cache: probe for real
         except BackendUnavailable as exc:
+            self._on_outage(exc)
+            return
+        except ConfigurationError as exc:
+            if not self._started_ms:
+                raise
+            logger.critical("anarchon: claim backend refused on reconnect: %s", exc)
             self._on_outage(exc)
             return
         self._backend_ready = True

@@ -74,6 +74,23 @@ def _where(job: str | None) -> str:
     return f"beat_schedule[{job!r}]['anarchon']: " if job else ""
 
 
+def flag(value: Any, *, setting: str) -> bool:
+    """A boolean setting: True/False, or the strings and numbers Celery users
+    write in environment-driven settings ("true"/"false", "1"/"0", "yes"/"no").
+
+    Raises:
+        ConfigurationError: anything else (``bool("false")`` is True).
+    """
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in {"1", "true", "yes", "on"}:
+        return True
+    if text in {"0", "false", "no", "off", ""}:
+        return False
+    raise ConfigurationError(f"{setting} must be True or False, got {value!r}.")
+
+
 def _positive_int(value: Any, *, setting: str, job: str | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigurationError(
@@ -221,9 +238,9 @@ class Settings:
             backend_options=dict(options),
             defaults=defaults,
             max_skew=seconds(get("max_skew", 10.0), setting="anarchon_max_skew"),
-            allow_eviction=bool(get("allow_eviction", False)),
+            allow_eviction=flag(get("allow_eviction", False), setting="anarchon_allow_eviction"),
             explicit=explicit,
-            worker_strict=bool(get("worker_strict", False)),
+            worker_strict=flag(get("worker_strict", False), setting="anarchon_worker_strict"),
             test_send_delay=seconds(
                 get("test_send_delay", 0.0), setting="anarchon_test_send_delay"
             ),

@@ -136,3 +136,14 @@ def test_a_misspelled_django_setting_is_refused() -> None:
     app.config_from_object(DjangoSettings, namespace="CELERY")
     with pytest.raises(ConfigurationError, match="Did you mean 'anarchon_jitter'"):
         Settings.from_app(app)
+
+
+@pytest.mark.parametrize(("value", "expected"), [("false", False), ("0", False), ("yes", True)])
+def test_boolean_settings_read_strings_as_written(value: str, expected: bool) -> None:
+    s = Settings.from_app(make_app(anarchon_allow_eviction=value, anarchon_worker_strict=value))
+    assert (s.allow_eviction, s.worker_strict) == (expected, expected)
+
+
+def test_a_boolean_setting_of_another_word_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="anarchon_allow_eviction must be True or False"):
+        Settings.from_app(make_app(anarchon_allow_eviction="maybe"))
