@@ -1,0 +1,97 @@
+"""Each benchmark of ``bench/`` runs end to end on a tiny size.
+
+No timing is asserted: the figures of a run this small mean nothing. What is
+checked is that every benchmark runs, prints its table, and (burst) that
+every slot it measured was sent exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import burst, claims, footprint, profile, scale
+
+from .conftest import require_service
+
+pytestmark = pytest.mark.services
+
+
+def test_claims_smoke(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    require_service("redis")
+    out = tmp_path / "claims.json"
+    args = ["--single", "5", "--batch", "5", "--batches", "1", "--repeats", "1"]
+    assert claims.main([*args, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| redis | SET NX PX |" in printed
+    assert "| sqlite |" in printed
+    results = json.loads(out.read_text())
+    assert {r["backend"] for r in results} >= {"redis", "sqlite"}
+    for r in results:
+        assert r["summary"]["single_median_ours"]["median"] > 0
+
+
+@pytest.mark.integration
+def test_burst_smoke(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    require_service("redis")
+    out = tmp_path / "burst.json"
+    args = [
+        "--jobs",
+        "20",
+        "--period",
+        "4",
+        "--max-late",
+        "3",
+        "--rounds",
+        "1",
+        "--repeats",
+        "1",
+        "--wait",
+        "10",
+        "--configs",
+        "publish-1,anarchon-redis-2",
+        "--jitters",
+        "1",
+        "--json",
+        str(out),
+    ]
+    assert burst.main(args) == 0
+    assert "| anarchon redis x2 jitter 1 | 20 |" in capsys.readouterr().out
+    results = json.loads(out.read_text())
+    assert [r.get("error") for r in results] == [None, None]
+    anarchon = next(r for r in results if r["config"].startswith("anarchon"))
+    assert anarchon["exactly_once"], anarchon
+    assert anarchon["duplicates"] == 0
+
+
+def test_scale_smoke(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "scale.json"
+    args = ["--sizes", "60", "--backends", "stub", "--idle", "1", "--due", "30"]
+    assert scale.main([*args, "--repeats", "1", "--json", str(out)]) == 0
+    assert "| stub | 60 |" in capsys.readouterr().out
+    [result] = json.loads(out.read_text())
+    assert result["jobs"] == 60
+    assert result["due"] == 30
+
+
+def test_footprint_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    require_service("redis")
+    args = ["--jobs", "2", "--history-size", "4", "--backends", "redis,sqlite"]
+    assert footprint.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "| redis |" in printed
+    assert "| sqlite |" in printed
+
+
+def test_profile_summary(tmp_path: Path) -> None:
+    raw = tmp_path / "p.txt"
+    raw.write_text(
+        "main (celery/beat.py:1);tick (celery_anarchon/scheduler.py:2);"
+        "_claim (celery_anarchon/scheduler.py:3);recv (socket.py:4) 30\n"
+        "main (celery/beat.py:1);tick (celery_anarchon/scheduler.py:2) 10\n"
+    )
+    text = profile.summarise(raw)
+    assert "| claim batch (backend.claim) | 30 | 75.0 | 100 |" in text
+    assert "40 samples" in text
