@@ -418,6 +418,8 @@ class Scheduler(beat.Scheduler):
         self._drift_seen: set[tuple[str, str, str]] = set()
         self._seq = 0
         self._started_ms = 0
+        #: True once setup_schedule finished (start-up errors stop beat only before)
+        self._setup_done = False
         self._next_heartbeat = 0.0
         self._outage_since: float | None = None
         self._outage_lost = 0
@@ -483,6 +485,7 @@ class Scheduler(beat.Scheduler):
         self._started_ms = self._now_ms()
         self._connect()
         self._plan_first_slots()
+        self._setup_done = True
 
     def _warn_if_local_only(self) -> None:
         assert self._settings is not None
@@ -1105,7 +1108,7 @@ class Scheduler(beat.Scheduler):
             self._on_outage(exc)
             return
         except ConfigurationError as exc:
-            if not self._started_ms:
+            if not self._setup_done:
                 raise
             logger.critical("anarchon: claim backend refused on reconnect: %s", exc)
             self._on_outage(exc)
