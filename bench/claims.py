@@ -473,7 +473,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     common.exit_on_sigterm()
     names = [n.strip() for n in args.backends.split(",") if n.strip()]
     print(common.header("Claim round trip"))
-    results = []
+    results: list[dict[str, Any]] = []
+    failed: list[tuple[str, str]] = []
     for name in names:
         if name not in ALL:
             parser.error(f"unknown backend {name!r}; choose from {', '.join(ALL)}")
@@ -481,8 +482,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             log(f"{name}: service not running on 127.0.0.1, skipped")
             continue
         log(f"{name}: measuring")
-        results.append(measure(name, args))
+        try:
+            results.append(measure(name, args))
+        except Exception as exc:  # one broken service must not hide the others
+            log(f"{name}: failed: {type(exc).__name__}: {exc}")
+            failed.append((name, f"{type(exc).__name__}: {exc}"))
     print(report(results, args))
+    for name, error in failed:
+        print(f"\n{name}: not measured ({error[:300]})")
     common.write_json(args.json, results)
     return 0
 
