@@ -210,6 +210,7 @@ def header(title: str) -> str:
     """A results header: what, when, machine, services."""
     info = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "run_id": RUN_ID,
         "machine": machine(),
         "services": service_versions(),
     }
