@@ -888,12 +888,22 @@ class Scheduler(beat.Scheduler):
         if self._settings.test_send_delay:  # fault injection, tests only
             time.sleep(self._settings.test_send_delay)
         lease_s = job.options.lease_ttl
-        if self._clock() - claimed_at > lease_s / 2 and not self._still_holds(claim):
+        held_s = self._clock() - claimed_at
+        if held_s > lease_s / 2 and (held_s > lease_s * 0.8 or not self._still_holds(claim)):
+            # The lease has (nearly) ended: a backup may be taking the slot
+            # over now. Publishing would risk a second publish; leave the
+            # slot to the backup, recorded lost later if none sent it.
             self._held.pop((job.name, claim.slot_ms), None)
             logger.warning(
-                "anarchon: %s @ %s was taken over while this instance stalled; not sent",
+                "anarchon: %s @ %s held %.1fs of a %.0fs lease before its send; not sent "
+                "by this instance (left to a backup)",
                 job.name,
                 _iso(claim.slot_ms),
+                held_s,
+                lease_s,
+            )
+            self._on_send_failed(
+                job, claim, task_id_for(job.name, claim.slot_ms), TimeoutError("lease ended")
             )
             return
         task_id = task_id_for(job.name, claim.slot_ms)

@@ -506,8 +506,14 @@ class CountingConnection(redis.Connection):
         super().send_packed_command(command, check_health)
 
 
-def test_a_batch_of_1000_slots_is_one_round_trip(prefix: str, raw: redis.Redis) -> None:
-    pool = redis.ConnectionPool.from_url(REDIS_URL, connection_class=CountingConnection)
+def test_a_batch_of_1000_slots_is_one_round_trip(
+    prefix: str, own_redis: Callable[..., RedisProcess]
+) -> None:
+    # A Redis of its own: on the shared one a parallel test could load the
+    # scripts again between the flush below and the claim.
+    server = own_redis()
+    raw = server.client()
+    pool = redis.ConnectionPool.from_url(server.url, connection_class=CountingConnection)
     client = redis.Redis(connection_pool=pool)
     backend = RedisBackend(None, client=client, instance="host-a", prefix=prefix)
     backend.open()
