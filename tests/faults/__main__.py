@@ -27,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, help="seconds per scenario (16; --long 60)")
     parser.add_argument("--backends", help=f"comma-separated subset of {','.join(ALL)}")
     parser.add_argument("--scenarios", help="comma-separated scenario names (see --list)")
+    parser.add_argument(
+        "--rows", help='comma-separated "scenario/backend" rows, e.g. "stall/redis,stall/mysql"'
+    )
     parser.add_argument("--no-bad-input", action="store_true", help="skip the bad-input checks")
     parser.add_argument("--publish", action="store_true", help=f"rewrite the table in {DOC}")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
@@ -43,7 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     backends = tuple(args.backends.split(",")) if args.backends else ALL
     plan = long_profile(backends) if args.long else SHORT_PROFILE
     plan = [(s, b) for s, b in plan if b in backends]
-    if args.scenarios:
+    if args.rows:
+        plan = [tuple(r.split("/", 1)) for r in args.rows.split(",")]  # type: ignore[misc]
+        unknown = {s for s, _ in plan} - set(SCENARIOS)
+        if unknown:
+            parser.error(f"unknown scenario(s): {', '.join(sorted(unknown))}")
+    elif args.scenarios:
         wanted = set(args.scenarios.split(","))
         unknown = wanted - set(SCENARIOS)
         if unknown:
@@ -54,13 +62,15 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_bad_input:
         rows += run_bad_input(backends)
     found = versions()
-    profile = "long" if args.long else "short" if not args.scenarios else "selected"
+    # Rows picked by --scenarios/--rows go to the long block, said so in its header.
+    profile = "short" if not (args.long or args.scenarios or args.rows) else "long"
     print()
     print(table(rows))
     if args.json:
         save_json(rows, args.json, found)
     if args.publish:
-        publish(DOC, results_block(rows, profile, duration, found), profile)
+        label = "long" if args.long else "short" if profile == "short" else "selected rows"
+        publish(DOC, results_block(rows, profile, duration, found, label=label), profile)
         print(f"\npublished in {DOC}")
     return 0 if all(r.ok or r.skipped for r in rows) else 1
 

@@ -290,7 +290,9 @@ def _cell(text: str, limit: int = 240) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "\u2026"
 
 
-def results_block(rows: list[Row], profile: str, duration: float, found: dict[str, str]) -> str:
+def results_block(
+    rows: list[Row], profile: str, duration: float, found: dict[str, str], label: str = ""
+) -> str:
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     listed = ", ".join(f"{k} {v}" for k, v in found.items())
     notes = [
@@ -302,7 +304,7 @@ def results_block(rows: list[Row], profile: str, duration: float, found: dict[st
     parts = [
         begin,
         "",
-        f"Run on {when}, profile `{profile}`, {duration:g} s per scenario, "
+        f"Run on {when}, profile `{label or profile}`, {duration:g} s per scenario, "
         f"{sum(r.ok for r in rows)} of {len(rows)} rows passed.",
         "",
         f"Versions: {listed}.",
