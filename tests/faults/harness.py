@@ -462,10 +462,16 @@ class FaultRun:
             found.append((str(job), int(slot)))
         return found
 
-    def outcome(self, settle_s: float = 3.0, tail_s: float = 4.0) -> Outcome:
+    def outcome(self, settle_s: float = 3.0, tail_s: float | None = None) -> Outcome:
         """Read everything back. Slots count when due inside ``[start +
         settle_s, stop - tail_s]`` (the first beats need a moment to start;
-        the last slots need the jitter and the send before the stop)."""
+        the last slots need the jitter and the send before the stop, and on
+        a lease backend a backup's take-over: lease + jitter + 2 s, at least
+        4 s, by default)."""
+        if tail_s is None:
+            conf = self.cluster.conf
+            lease = float(conf.get("anarchon_lease_ttl") or 0.0)
+            tail_s = max(4.0, lease + float(conf.get("anarchon_jitter") or 0.0) + 2.0)
         start, end = self.started_at + settle_s, self.stopped_at - tail_s
         expected = expected_slots(self.schedules, start, end)
         due = [(job, s) for job, slots in expected.items() for s in slots]
