@@ -39,7 +39,7 @@ from .exceptions import BackendUnavailable, ConfigurationError
 from .metrics import Metrics, metrics_from_app
 from .settings import JobOptions, Settings, seconds
 from .slots import Slots, cron, definition, first_slot, oneoff, slots_for
-from .worker import expires_for
+from .worker import expires_for, message_expiry_ms
 
 __all__ = [
     "Entry",
@@ -853,12 +853,28 @@ class Scheduler(beat.Scheduler):
         return True
 
     def _in_flight(self, run: RunRecord, job: Job) -> bool:
+        """Whether ``run`` (``job``'s previous run) still blocks a new slot
+        under ``overlap='skip'``: claimed with a live lease; sent for less
+        than :data:`SENT_IN_FLIGHT` seconds and its message not expired
+        (``expires`` plus ``max_skew``); running with a live lease (a
+        running run whose lease ended is recorded ``lost`` here)."""
         now_ms = self._now_ms()
         lease_alive = run.lease_until_ms is None or run.lease_until_ms > now_ms
         if run.state is State.CLAIMED:
             return lease_alive
         if run.state is State.SENT:
-            return (run.sent_at_ms or 0) + _ms(SENT_IN_FLIGHT) > now_ms
+            if (run.sent_at_ms or 0) + _ms(SENT_IN_FLIGHT) <= now_ms:
+                return False
+            # A worker revokes a message that reaches it after its expiry
+            # (the worker integration records that run lost): it never
+            # starts. Judged with max_skew to spare, for a worker's clock.
+            expiry_ms = message_expiry_ms(
+                (job.entry.options or {}).get("expires"),
+                self._expires(job, run.slot_ms),
+                run.sent_at_ms,
+            )
+            skew_ms = _ms(self._settings.max_skew) if self._settings is not None else 0
+            return expiry_ms is None or expiry_ms + skew_ms > now_ms
         if run.state is State.RUNNING:
             if lease_alive:
                 return True

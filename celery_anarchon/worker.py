@@ -37,6 +37,18 @@ are untouched:
   are recorded ``failed`` with ``WorkerLostError``/``TimeLimitExceeded``).
   A body that raises ``Ignore`` itself (``self.replace()``, say) is recorded
   ``succeeded``: its own work is done.
+* **Per delivery.** Start, heartbeats and finish belong to the delivery
+  that passed the gate: its request holds the run. Two deliveries of one
+  slot share the task id (and, for a second publish by the same owner, the
+  token), so in a pool that runs several tasks in one process (threads,
+  gevent, eventlet) a discarded duplicate's ``task_postrun`` must not, and
+  does not, touch the original still running beside it.
+* **Revoked.** ``task_revoked`` (worker's main process): a message that
+  expired before a worker took it, or was revoked by id before it ran, never
+  runs; its run is recorded ``lost`` with the reason, if its record is still
+  ``claimed`` or ``sent`` under the message's token (another delivery of the
+  slot that started is left alone). ``revoke(terminate=True)`` of a running
+  task records ``failed`` (``Terminated: ...``).
 * **Heartbeat.** While a gated run executes, a daemon thread in that worker
   process calls :meth:`~celery_anarchon.backends.base.Backend.extend` every
   ``lease_ttl / 3`` seconds, keeping the run's lease ``lease_ttl`` ahead of
@@ -46,6 +58,9 @@ are untouched:
   prefork pool forks a child (``worker_process_init``), the inherited
   client is dropped without touching the parent's connections and a new
   one is made on first use; a process id check catches any other fork.
+  The prefork pool's main process (which records revokes and pool
+  process deaths) closes its client after each use, so a pool process it
+  forks later (a replacement) never inherits an open one.
 
 Retry (``self.retry()``): the same slot, not a new run. The retried message
 keeps the headers, so the plain gate would refuse it as a duplicate.
@@ -84,7 +99,9 @@ discards the delivery instead (a missed run over a possible duplicate).
 
 Message expiry (``anarchon_expires``) is computed by :func:`expires_for`
 when the scheduler sends; Celery's worker then revokes a message that
-arrives after its expiry, and history keeps ``sent`` for that run.
+arrives after its expiry, and the run is recorded ``lost`` (above). The
+scheduler's overlap check stops counting a ``sent`` run as in flight once
+its message expired (:func:`message_expiry_ms`, plus ``max_skew``).
 """
 
 from __future__ import annotations
@@ -93,10 +110,10 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, TypeVar
 
 from celery import signals
 from celery.exceptions import Ignore
@@ -116,9 +133,12 @@ __all__ = [
     "expires_for",
     "install",
     "integration_of",
+    "message_expiry_ms",
 ]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 #: Message headers the scheduler sets (DESIGN section 3).
 HEADER_JOB = "anarchon_job"
@@ -133,6 +153,11 @@ HEARTBEATS_PER_LEASE = 3
 
 #: Marks the ``before_start`` functions :func:`install` puts on task classes.
 _GATE_MARK = "_anarchon_gate"
+
+#: Request attributes: set once the gate looked at a request; the
+#: :class:`_Run` of a request that passed it (None once finished).
+_GATED_ATTR = "_anarchon_gated"
+_RUN_ATTR = "_anarchon_run"
 
 #: Integrations by app (an app has at most one; apps live as long as their
 #: process, and so do their integrations).
@@ -219,6 +244,37 @@ def expires_for(
     return _utc(slot_ms) + timedelta(seconds=float(value))
 
 
+def message_expiry_ms(
+    option: Any, anarchon_expiry: datetime | None, sent_at_ms: int | None
+) -> int | None:
+    """When a run's message expires, epoch milliseconds (UTC), or None
+    (never, or not known).
+
+    The same precedence as the scheduler's send: the entry's own Celery
+    ``expires`` option wins over ``anarchon_expires``.
+
+    Args:
+        option: the entry's ``options['expires']``: None, seconds counted
+            from the send (Celery's meaning), or an aware datetime; a naive
+            datetime or any other value gives None (its zone is the
+            worker's to judge).
+        anarchon_expiry: the run's ``anarchon_expires`` as an aware
+            datetime (:func:`expires_for`), or None.
+        sent_at_ms: when the run was sent, epoch milliseconds, or None.
+    """
+    if option is None:
+        if anarchon_expiry is None:
+            return None
+        return int(anarchon_expiry.timestamp() * 1000)
+    if isinstance(option, bool):
+        return None
+    if isinstance(option, (int, float)):
+        return None if sent_at_ms is None else sent_at_ms + int(option * 1000)
+    if isinstance(option, datetime) and option.tzinfo is not None:
+        return int(option.timestamp() * 1000)
+    return None
+
+
 def _utc(ms: int) -> datetime:
     return datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
 
@@ -233,12 +289,19 @@ def error_text(exc: BaseException | None) -> str:
     return text
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Run:
-    """A gated run executing in this process."""
+    """A delivery that passed the start gate and executes in this process.
+
+    Compared and hashed by identity: two deliveries of one slot carry the
+    same task id and often the same token, and only the one that passed the
+    gate owns the run. The request it runs under holds it as
+    ``request._anarchon_run`` (:data:`_RUN_ATTR`).
+    """
 
     claim: Claim
     lease_ms: int
+    task_id: str
 
 
 class WorkerIntegration:
@@ -256,7 +319,11 @@ class WorkerIntegration:
         self._backend_ready = False
         self._settings: Settings | None = None
         self._lease_ms: dict[str, int] = {}
-        self._runs: dict[str, _Run] = {}
+        self._runs: set[_Run] = set()
+        #: The worker's main process when its pool forks children (prefork),
+        #: else None: a backend client that process opens is closed after
+        #: use, so no pool process it forks later inherits an open one.
+        self._forking_main_pid: int | None = None
         self._backend_lock = threading.RLock()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -278,6 +345,7 @@ class WorkerIntegration:
         signals.task_failure.connect(self._on_failure, weak=False, dispatch_uid=uid)
         signals.task_retry.connect(self._on_retry, weak=False, dispatch_uid=uid)
         signals.task_postrun.connect(self._on_postrun, weak=False, dispatch_uid=uid)
+        signals.task_revoked.connect(self._on_revoked, weak=False, dispatch_uid=uid)
         self.app.on_after_finalize.connect(self._gate_tasks, weak=False, dispatch_uid=uid)
         if self.app.finalized:
             self._gate_tasks()
@@ -383,9 +451,9 @@ class WorkerIntegration:
         request = task.request
         if request is None or getattr(request, "is_eager", False):
             return
-        if getattr(request, "_anarchon_gated", False):
+        if getattr(request, _GATED_ATTR, False):
             return
-        request._anarchon_gated = True
+        setattr(request, _GATED_ATTR, True)
         claim = claim_of(request)
         if claim is None:
             return
@@ -412,7 +480,7 @@ class WorkerIntegration:
                 task_id,
                 exc,
             )
-            self._start(task_id, _Run(claim, self._fallback_lease_ms()))
+            self._start(request, _Run(claim, self._fallback_lease_ms(), task_id))
             return
         if not started:
             logger.warning(
@@ -425,7 +493,7 @@ class WorkerIntegration:
                 self._why_refused(claim),
             )
             raise Ignore()
-        self._start(task_id, _Run(claim, lease_ms))
+        self._start(request, _Run(claim, lease_ms, task_id))
 
     def _pass_gate(self, claim: Claim, task: Any, request: Any, lease_ms: int) -> bool:
         backend = self.backend()
@@ -475,16 +543,27 @@ class WorkerIntegration:
 
     # -- runs and heartbeats -------------------------------------------------
 
-    def _start(self, task_id: str, run: _Run) -> None:
+    def _start(self, request: Any, run: _Run) -> None:
+        """``request`` passed the gate: it owns ``run``; heartbeat it."""
+        setattr(request, _RUN_ATTR, run)
         with self._lock:
-            self._runs[task_id] = run
+            self._runs.add(run)
             self._ensure_thread()
-        self._extend(task_id, run)
+        self._extend(run)
         self._wake.set()
 
-    def _finish(self, task_id: str) -> _Run | None:
+    def _finish(self, request: Any) -> _Run | None:
+        """The run ``request`` owns, now finished (no more heartbeats); None
+        when the request owns none: it was discarded by the gate, carries no
+        anarchon headers, was never gated in this process (the worker's main
+        process reporting a pool process's death), or finished already."""
+        run: _Run | None = getattr(request, _RUN_ATTR, None)
+        if run is None:
+            return None
+        setattr(request, _RUN_ATTR, None)
         with self._lock:
-            return self._runs.pop(task_id, None)
+            self._runs.discard(run)
+        return run
 
     def _ensure_thread(self) -> None:
         if self._thread is not None and self._thread.is_alive():
@@ -498,22 +577,18 @@ class WorkerIntegration:
     def _heartbeat_loop(self) -> None:
         while not self._stopping:
             with self._lock:
-                runs = dict(self._runs)
-            interval = (
-                min(r.lease_ms for r in runs.values()) / HEARTBEATS_PER_LEASE / 1000
-                if runs
-                else None
-            )
+                runs = list(self._runs)
+            interval = min(r.lease_ms for r in runs) / HEARTBEATS_PER_LEASE / 1000 if runs else None
             if self._wake.wait(interval):
                 self._wake.clear()
                 continue
-            for task_id, run in runs.items():
-                self._extend(task_id, run)
+            for run in runs:
+                self._extend(run)
 
-    def _extend(self, task_id: str, run: _Run) -> None:
+    def _extend(self, run: _Run) -> None:
         """Extend one run's lease; forget the run when it is no longer ours."""
         with self._lock:
-            if self._runs.get(task_id) != run:
+            if run not in self._runs:
                 return  # finished meanwhile
         try:
             if self.backend().extend(run.claim, run.lease_ms):
@@ -527,16 +602,16 @@ class WorkerIntegration:
             )
             return
         with self._lock:
-            if self._runs.get(task_id) != run:
+            if run not in self._runs:
                 return  # finished meanwhile
-            del self._runs[task_id]
+            self._runs.discard(run)
         logger.warning(
             "anarchon: %s @ %s (task %s) is no longer running under token %s (its lease "
             "expired and it was recorded lost, or the slot was taken over); the task "
             "goes on, its outcome will not be recorded",
             run.claim.job,
             _iso(run.claim.slot_ms),
-            task_id,
+            run.task_id,
             run.claim.token,
         )
 
@@ -554,6 +629,8 @@ class WorkerIntegration:
         if getattr(instance, "app", None) is not self.app:
             return
         self._gate_tasks()
+        if _forks_children(getattr(instance, "pool_cls", None)):
+            self._forking_main_pid = os.getpid()
         try:
             description = self.backend().describe()
         except Exception as exc:
@@ -583,7 +660,7 @@ class WorkerIntegration:
         self._wake = threading.Event()
         self._thread = None
         self._threads_pid = os.getpid()
-        self._runs = {}
+        self._runs = set()
 
     def _on_shutdown(self, **kwargs: Any) -> None:
         self._stopping = True
@@ -604,65 +681,210 @@ class WorkerIntegration:
     def _on_retry(
         self, sender: Any = None, request: Any = None, reason: Any = None, **kwargs: Any
     ) -> None:
-        """A retry is coming: keep the run's lease until it can start."""
+        """A retry is coming: keep the run's lease until it can start. Only
+        the delivery that owns the run may (a retry signal for any other
+        request, such as the main process cancelling a task when the broker
+        connection is lost, leaves the lease to run out)."""
+        if not self._ours(sender) or request is None:
+            return
+        run = self._finish(request)  # no heartbeat may shorten the lease now
+        if run is None:
+            return
+        delay_ms = _retry_delay_ms(getattr(reason, "when", None))
+        try:
+            self.backend().extend(run.claim, run.lease_ms + delay_ms)
+        except Exception as exc:
+            logger.warning(
+                "anarchon: could not keep %s @ %s running for its retry: %s",
+                run.claim.job,
+                _iso(run.claim.slot_ms),
+                exc,
+            )
+
+    def _on_postrun(self, sender: Any = None, state: str | None = None, **kw: Any) -> None:
+        """The trace ends (its request is still the current one). A run that
+        ``task_success``/``task_failure``/``task_retry`` did not finish is
+        finished here; a discarded delivery owns none, so it touches nothing."""
+        if not self._ours(sender):
+            return
+        run = self._finish(sender.request)
+        if run is not None and state == "IGNORED":
+            # The body raised Ignore itself (self.replace(), say): its part is done.
+            self._mark(run.claim, State.SUCCEEDED, run.task_id)
+
+    def _on_revoked(
+        self,
+        sender: Any = None,
+        request: Any = None,
+        terminated: bool = False,
+        signum: Any = None,
+        expired: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        """Celery revoked a delivery (worker's main process).
+
+        Expired (``expires`` passed before a worker took the message) or
+        revoked by id before it ran: the run never starts, so a record still
+        ``claimed`` or ``sent`` under the message's token becomes ``lost``
+        with the reason; a record that another delivery of the slot moved on
+        (``running``, finished) is left alone. Revoked with
+        ``terminate=True`` while running: the body was killed, recorded
+        ``failed`` (fenced by the token, like a pool process's death).
+        """
         if not self._ours(sender) or request is None:
             return
         claim = claim_of(request)
         if claim is None:
             return
-        self._finish(str(request.id))  # no heartbeat may shorten the lease now
-        delay_ms = _retry_delay_ms(getattr(reason, "when", None))
+        task_id = str(getattr(request, "id", None))
+        if terminated:
+            error = f"Terminated: revoked with terminate=True (signal {signum})"
+            self._mark_from_main(claim, State.FAILED, task_id, error)
+            return
+        if expired:
+            reason = f"expired before a worker took it (expires {_expires_text(request)})"
+        else:
+            reason = "revoked before a worker ran it"
         try:
-            self.backend().extend(claim, self.lease_ms(claim.job) + delay_ms)
+            recorded = self._main_process_call(lambda b: _lose_unstarted(b, claim, reason))
         except Exception as exc:
-            logger.warning(
-                "anarchon: could not keep %s @ %s running for its retry: %s",
+            logger.error(
+                "anarchon: could not record %s @ %s (task %s) lost (%s): %s",
                 claim.job,
                 _iso(claim.slot_ms),
+                task_id,
+                reason,
                 exc,
             )
-
-    def _on_postrun(
-        self, sender: Any = None, task_id: str | None = None, state: str | None = None, **kw: Any
-    ) -> None:
-        if not self._ours(sender) or task_id is None:
             return
-        run = self._finish(str(task_id))
-        if run is not None and state == "IGNORED":
-            # The body raised Ignore itself (self.replace(), say): its part is done.
-            self._mark(run.claim, State.SUCCEEDED, str(task_id))
+        if recorded is None:
+            logger.warning(
+                "anarchon: %s @ %s (task %s) %s: recorded lost",
+                claim.job,
+                _iso(claim.slot_ms),
+                task_id,
+                reason,
+            )
+        else:
+            logger.info(
+                "anarchon: a delivery of %s @ %s (task %s) was %s; the run is %s, left alone",
+                claim.job,
+                _iso(claim.slot_ms),
+                task_id,
+                "expired" if expired else "revoked",
+                recorded,
+            )
 
     def _record(self, request: Any, state: State, error: str | None = None) -> None:
+        """A finished state for ``request``: for the run it owns when it
+        passed the gate in this process; for a request this process never
+        gated (the worker's main process reporting a pool process's death or
+        hard time limit), for the claim its headers name, fenced by token."""
         if request is None or getattr(request, "is_eager", False):
             return
-        claim = claim_of(request)
-        if claim is None:
+        run = self._finish(request)
+        if run is not None:
+            self._mark(run.claim, state, run.task_id, error)
             return
-        self._finish(str(request.id))
-        self._mark(claim, state, str(request.id), error)
+        if getattr(request, _GATED_ATTR, False):
+            return  # discarded by the gate, or no anarchon headers
+        claim = claim_of(request)
+        if claim is not None:
+            self._mark_from_main(claim, state, str(request.id), error)
+
+    def _main_process_call(self, call: Callable[[Backend], _T]) -> _T:
+        """``call(backend)`` from the worker's main process. Where that
+        process forks pool processes (prefork), its client is closed again
+        right after, so a pool process forked later (a replacement, say)
+        never inherits an open one (SQLite fails in such a child)."""
+        if self._forking_main_pid != os.getpid():
+            return call(self.backend())
+        with self._backend_lock:
+            try:
+                return call(self._open_backend())
+            finally:
+                self._drop_backend()
+
+    def _mark_from_main(
+        self, claim: Claim, state: State, task_id: str, error: str | None = None
+    ) -> None:
+        try:
+            done = self._main_process_call(lambda b: b.mark(claim, state, error=error))
+        except Exception as exc:
+            self._mark_failed(claim, state, task_id, exc)
+            return
+        if not done:
+            self._mark_refused(claim, state, task_id)
 
     def _mark(self, claim: Claim, state: State, task_id: str, error: str | None = None) -> None:
         try:
             done = self.backend().mark(claim, state, error=error)
         except Exception as exc:
-            logger.error(
-                "anarchon: could not record %s for %s @ %s (task %s): %s",
-                state,
-                claim.job,
-                _iso(claim.slot_ms),
-                task_id,
-                exc,
-            )
+            self._mark_failed(claim, state, task_id, exc)
             return
         if not done:
-            logger.warning(
-                "anarchon: %s @ %s (task %s) finished %s, but its record no longer "
-                "takes it (recorded lost, or the token was superseded)",
-                claim.job,
-                _iso(claim.slot_ms),
-                task_id,
-                state,
-            )
+            self._mark_refused(claim, state, task_id)
+
+    @staticmethod
+    def _mark_failed(claim: Claim, state: State, task_id: str, exc: Exception) -> None:
+        logger.error(
+            "anarchon: could not record %s for %s @ %s (task %s): %s",
+            state,
+            claim.job,
+            _iso(claim.slot_ms),
+            task_id,
+            exc,
+        )
+
+    @staticmethod
+    def _mark_refused(claim: Claim, state: State, task_id: str) -> None:
+        logger.warning(
+            "anarchon: %s @ %s (task %s) finished %s, but its record no longer "
+            "takes it (recorded lost, or the token was superseded)",
+            claim.job,
+            _iso(claim.slot_ms),
+            task_id,
+            state,
+        )
+
+
+def _lose_unstarted(backend: Backend, claim: Claim, reason: str) -> str | None:
+    """Record ``claim``'s run ``lost`` with ``reason`` when its record is
+    still ``claimed`` or ``sent`` under ``claim.token``. Returns None when
+    written, else what the record says (left alone), for the log.
+
+    Read, then a fenced ``mark``: a second delivery of the slot passing the
+    start gate between the two would be recorded ``lost`` while it runs
+    (its heartbeat then logs that its outcome is not recorded); it never
+    makes anything run twice.
+    """
+    records = [r for r in backend.history(claim.job) if r.slot_ms == claim.slot_ms]
+    if not records:
+        return "without a record (trimmed or released)"
+    current = records[0]
+    if current.token != claim.token:
+        return f"{current.state} under token {current.token}"
+    if current.state not in (State.CLAIMED, State.SENT):
+        return str(current.state)
+    if backend.mark(claim, State.LOST, error=reason):
+        return None
+    return "moved on meanwhile"
+
+
+def _forks_children(pool_cls: Any) -> bool:
+    """Whether a worker pool class forks pool processes (prefork)."""
+    try:
+        from celery.concurrency.prefork import TaskPool
+    except Exception:  # pragma: no cover - billiard missing
+        return False
+    return isinstance(pool_cls, type) and issubclass(pool_cls, TaskPool)
+
+
+def _expires_text(request: Any) -> str:
+    expires = getattr(request, "expires", None)
+    if isinstance(expires, datetime):
+        return expires.isoformat()
+    return str(expires)
 
 
 def _add_gate(cls: type) -> None:

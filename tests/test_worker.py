@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ import pytest
 import redis
 from celery import Celery
 from celery.exceptions import Ignore
+from kombu import Connection
 
 from celery_anarchon.backends import backend_from_url
 from celery_anarchon.backends.base import Backend, Claim, ClaimRequest, RunRecord, State
@@ -39,8 +41,10 @@ from celery_anarchon.worker import (
     expires_for,
     install,
     integration_of,
+    message_expiry_ms,
 )
 
+from .beats import BeatCluster
 from .conftest import POSTGRES_URL, REDIS_URL, RUN_ID, require_service
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,10 +58,13 @@ FINISHED = {State.SUCCEEDED, State.FAILED, State.LOST}
 
 @dataclass
 class Worker:
-    """A ``celery worker`` process on ``tests.beat_app`` (prefork, 2 processes)."""
+    """A ``celery worker`` process on ``tests.beat_app`` (``pool``, default
+    prefork, with ``concurrency`` processes or threads)."""
 
     backend_url: str
     folder: Path
+    pool: str = "prefork"
+    concurrency: int = 2
     queue: str = field(default_factory=lambda: f"wtest-{uuid.uuid4().hex[:8]}")
     prefix: dict[str, Any] = field(default_factory=dict)
     visibility_timeout: float = 3600
@@ -103,7 +110,7 @@ class Worker:
         self.proc = subprocess.Popen(
             [
                 *(sys.executable, "-m", "celery", "-A", "tests.beat_app", "worker"),
-                *("-P", "prefork", "-c", "2", "-l", "INFO", "-Q", self.queue),
+                *("-P", self.pool, "-c", str(self.concurrency), "-l", "INFO", "-Q", self.queue),
                 *("-n", f"{self.queue}-{self.starts}@%h"),
                 *("--without-heartbeat", "--without-gossip", "--without-mingle"),
             ],
@@ -339,10 +346,11 @@ def test_a_retry_is_the_same_run_again(harness: Harness) -> None:
     assert [run[0] for run in lines(path)] == ["attempt-0", "attempt-1"]
 
 
-def test_an_expired_message_is_not_run_and_stays_sent(harness: Harness) -> None:
+def test_an_expired_message_is_not_run_and_is_recorded_lost(harness: Harness) -> None:
     """``anarchon_expires = 'next_slot'``: a run's message that reaches a
-    worker after the job's next slot is revoked by Celery, never run; its
-    history stays ``sent``. A fresh one runs."""
+    worker after the job's next slot is revoked by Celery, never run, and
+    recorded ``lost`` with the reason (``task_revoked``, in the worker's
+    main process). A fresh one runs."""
     _, stale = harness.claim(new_job())
     _, fresh = harness.claim(new_job())
     path = harness.path()
@@ -354,8 +362,67 @@ def test_an_expired_message_is_not_run_and_stays_sent(harness: Harness) -> None:
     harness.worker.wait_for_log(
         f"revoked task: itest.record[{task_id_for(stale.job, stale.slot_ms)}]"
     )
-    assert harness.record(stale.job, stale.slot_ms).state is State.SENT
+    lost = harness.wait_state(stale, FINISHED)
+    assert lost.state is State.LOST
+    assert lost.error is not None
+    assert lost.error.startswith("expired before a worker took it (expires ")
+    assert lost.started_at_ms is None and lost.finished_at_ms is not None
     assert [run[0] for run in lines(path)] == ["fresh"]
+
+
+def revoke(harness: Harness, task_id: str, **options: Any) -> None:
+    """``app.control.revoke`` sent to the harness's worker only, waiting for
+    its reply (so the worker knows the id before anything is published)."""
+    name = f"{harness.worker.queue}-{harness.worker.starts}@{socket.gethostname()}"
+    replies = harness.app.control.revoke(
+        task_id, destination=[name], reply=True, timeout=10, **options
+    )
+    assert replies, f"no reply from {name} to the revoke"
+
+
+def test_a_revoked_message_is_not_run_and_is_recorded_lost(harness: Harness) -> None:
+    """A plain revoke (by task id) before the message arrives: Celery
+    discards it on arrival; the run is recorded ``lost`` with the reason."""
+    _, claim = harness.claim(new_job())
+    path = harness.path()
+    revoke(harness, task_id_for(claim.job, claim.slot_ms))
+    harness.send(claim, "itest.record", path)
+    lost = harness.wait_state(claim, FINISHED)
+    assert lost.state is State.LOST
+    assert lost.error == "revoked before a worker ran it"
+    assert lost.started_at_ms is None
+    assert lines(path) == []
+
+
+def test_a_revoked_duplicate_leaves_the_running_original_alone(harness: Harness) -> None:
+    """The original runs; the slot's task id is revoked (no terminate: the
+    original goes on) and a second publish of the slot arrives: it is
+    discarded by Celery, and the record stays the original's."""
+    _, claim = harness.claim(new_job())
+    path = harness.path()
+    harness.send(claim, "itest.sleep", 2.0, path)
+    harness.wait_state(claim, {State.RUNNING})
+    revoke(harness, task_id_for(claim.job, claim.slot_ms))
+    harness.send(claim, "itest.sleep", 2.0, path)
+    harness.worker.wait_for_log(f"a delivery of {claim.job} @ ")
+    assert harness.record(claim.job, claim.slot_ms).state is State.RUNNING
+    done = harness.wait_state(claim, FINISHED)
+    assert done.state is State.SUCCEEDED
+    assert len(lines(path)) == 1
+
+
+def test_a_run_terminated_by_revoke_is_recorded_failed(harness: Harness) -> None:
+    """``revoke(terminate=True)`` kills the running body (prefork): the run
+    is recorded ``failed`` with the reason, not left ``running``."""
+    _, claim = harness.claim(new_job())
+    path = harness.path()
+    harness.send(claim, "itest.sleep", 30.0, path)
+    harness.wait_state(claim, {State.RUNNING})
+    revoke(harness, task_id_for(claim.job, claim.slot_ms), terminate=True)
+    done = harness.wait_state(claim, FINISHED)
+    assert done.state is State.FAILED
+    assert done.error is not None
+    assert done.error.startswith("Terminated: revoked with terminate=True")
 
 
 def test_tasks_without_anarchon_headers_are_untouched(harness: Harness) -> None:
@@ -445,6 +512,69 @@ def test_a_pool_process_killed_mid_task_is_recorded_failed(lone_worker: Harness)
     assert done.error is not None and done.error.startswith("WorkerLostError")
 
 
+def test_overlap_skip_is_not_blocked_by_a_run_whose_message_expired(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """A real beat with ``overlap='skip'`` and ``expires`` 1 s, and no
+    worker: each run stays ``sent`` in the broker, but once its message
+    expired (plus ``max_skew``, 1 s here) it no longer blocks the next slot
+    (every 3 s), so no slot is skipped. A worker started afterwards revokes
+    every message (expired) and each run is recorded ``lost``; none runs."""
+    require_service("redis")
+    request.getfixturevalue("_redis_cleanup")
+    url, options = backend_for_test("redis", tmp_path)
+    path = str(tmp_path / "runs.txt")
+    job = new_job()
+    cluster = BeatCluster(
+        url,
+        tmp_path,
+        conf={
+            "anarchon_backend_options": options,
+            "anarchon_jitter": 0.2,
+            "anarchon_max_late": 1.5,
+            "anarchon_max_skew": 1,
+            "beat_schedule": {
+                job: {
+                    "task": "itest.record",
+                    "schedule": 3.0,
+                    "args": [path, "run"],
+                    "anarchon": {"overlap": "skip", "expires": 1},
+                }
+            },
+        },
+    )
+    reader = backend_from_url(url, instance="test-reader", options=options)
+    reader.open()
+    try:
+        cluster.start(1)
+        assert cluster.wait_ticking(), cluster.logs()
+        deadline = time.monotonic() + 30
+        while len([r for r in reader.history(job) if r.state is State.SENT]) < 3:
+            assert time.monotonic() < deadline, (reader.history(job), cluster.logs())
+            time.sleep(0.2)
+        cluster.stop()
+        history = reader.history(job)
+        assert [r for r in history if r.state is State.SKIPPED] == [], history
+        sent = [r.slot_ms for r in history if r.state is State.SENT]
+        assert len(sent) >= 3 and len(sent) == len(history), history
+        cluster.start_worker()
+        deadline = time.monotonic() + 30
+        while any(r.state is not State.LOST for r in reader.history(job)):
+            assert time.monotonic() < deadline, (reader.history(job), cluster.logs())
+            time.sleep(0.2)
+        for record in reader.history(job):
+            assert record.error is not None, record
+            assert record.error.startswith("expired before a worker took it"), record
+        assert sorted(r.slot_ms for r in reader.history(job)) == sorted(sent)
+        assert lines(path) == []
+    finally:
+        cluster.stop()
+        cluster.stop_workers()
+        reader.close()
+        with Connection(BROKER) as conn:
+            conn.default_channel.queue_delete(cluster.queue)
+
+
 # -- without a worker ----------------------------------------------------------
 
 
@@ -458,6 +588,21 @@ def test_expires_for() -> None:
     assert expires_for("next_slot", slot, None) is None
     with pytest.raises(ConfigurationError, match="next_slot"):
         expires_for("tomorrow", slot, None)
+
+
+def test_message_expiry_ms() -> None:
+    """The entry's own ``expires`` wins (seconds from the send, or an aware
+    datetime); else ``anarchon_expires``; unknowable values give None."""
+    sent = 1_700_000_000_000
+    at = datetime.fromtimestamp(sent / 1000 + 5, tz=timezone.utc)
+    assert message_expiry_ms(None, None, sent) is None
+    assert message_expiry_ms(None, at, sent) == sent + 5_000
+    assert message_expiry_ms(30, at, sent) == sent + 30_000
+    assert message_expiry_ms(1.5, None, sent) == sent + 1_500
+    assert message_expiry_ms(1.5, None, None) is None
+    assert message_expiry_ms(at + timedelta(seconds=1), None, sent) == sent + 6_000
+    assert message_expiry_ms(datetime(2030, 1, 1), at, sent) is None  # naive: the worker's zone
+    assert message_expiry_ms(True, at, sent) is None
 
 
 def test_expires_setting_and_per_job_override() -> None:
@@ -524,10 +669,10 @@ def test_backend_unavailable_at_the_gate(strict: bool, caplog: pytest.LogCapture
             gated.before_start("t", (), {})
             assert "unchecked" in caplog.text
     finally:
-        gated.pop_request()
         integration = integration_of(app)
         assert integration is not None
-        integration._finish("t")
+        integration._finish(gated.request)
+        gated.pop_request()
 
 
 def test_install_gates_every_task_class_once_and_wraps_its_own_before_start(
@@ -559,24 +704,32 @@ def test_install_gates_every_task_class_once_and_wraps_its_own_before_start(
         assert type(task).__dict__["before_start"]._anarchon_gate
     task = app.tasks["gate.custom"]
     task.push_request(id="t1", headers=headers, retries=0, is_eager=False)
+    original = task.request
     try:
         task.before_start("t1", (), {})
         assert seen == ["t1"]
         assert claimer.history("j")[0].state is State.RUNNING
     finally:
         task.pop_request()
-    task.push_request(id="t2", headers=headers, retries=0, is_eager=False)
+    # A second delivery of the slot, with the same task id: discarded, and it
+    # owns no run, so finishing it cannot finish the original.
+    task.push_request(id="t1", headers=headers, retries=0, is_eager=False)
     try:
         with pytest.raises(Ignore):
-            task.before_start("t2", (), {})
+            task.before_start("t1", (), {})
         assert seen == ["t1"]
+        assert integration._finish(task.request) is None
     finally:
         task.pop_request()
+    run = integration._finish(original)
+    assert run is not None and run.claim == claim and run.task_id == "t1"
+    assert integration._finish(original) is None  # finished once
     # A retry of the running run passes (running -> running, same token) ...
     task.push_request(id="t1", headers=headers, retries=1, is_eager=False)
     try:
         task.before_start("t1", (), {})
         assert seen == ["t1", "t1"]
+        assert integration._finish(task.request) is not None
     finally:
         task.pop_request()
     # ... but not a redelivered retry while the run's lease is live.
@@ -587,7 +740,7 @@ def test_install_gates_every_task_class_once_and_wraps_its_own_before_start(
     try:
         with pytest.raises(Ignore):
             task.before_start("t1", (), {})
+        assert integration._finish(task.request) is None
     finally:
         task.pop_request()
-        integration._finish("t1")
     claimer.close()

@@ -1,6 +1,7 @@
 """What the harness puts between the beats and a service, or runs itself:
-a TCP proxy on loopback that cuts, delays and stalls, and Redis and
-PostgreSQL servers on spare ports that a scenario can crash and restart.
+a TCP proxy on loopback that cuts, delays and stalls, and Redis,
+PostgreSQL and RabbitMQ servers on spare ports that a scenario can crash
+and restart (never the machine's shared services).
 
 Everything listens on 127.0.0.1 only, every thread and process stops on
 :meth:`close`, and every wait is bounded.
@@ -9,13 +10,16 @@ Everything listens on 127.0.0.1 only, every thread and process stops on
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -259,3 +263,178 @@ def _pg_bin() -> str | None:
         if (version / "bin" / "initdb").exists():
             return str(version / "bin")
     return None
+
+
+class RabbitServer:
+    """A RabbitMQ node of the harness's own: its own node name
+    (``anarchon-faults-<random>@localhost``), AMQP and distribution ports
+    (spare, on 127.0.0.1), data, log and plugin folders under a temporary
+    folder, no plugins, and its own Erlang cookie (``HOME`` is that folder),
+    so no command of the harness can reach another node: the machine's
+    shared node (``rabbit@localhost`` on 5672) is never stopped, restarted
+    or reset by it. It gets the vhost ``vhost`` with ``guest`` allowed.
+
+    :meth:`crash` kills the node's process group with SIGKILL; :meth:`start`
+    boots it again on the same ports and data. Leaving the context kills it
+    and removes the folder.
+
+    Raises:
+        RuntimeError: the node did not come up within ``boot_timeout``
+            seconds (its log's tail is in the message).
+    """
+
+    def __init__(self, vhost: str, *, boot_timeout: float = 90.0) -> None:
+        self.vhost = vhost
+        self.node = f"anarchon-faults-{uuid.uuid4().hex[:8]}@localhost"
+        self.port = free_port()
+        self.dist_port = free_port()
+        self.boot_timeout = boot_timeout
+        self.sbin = _rabbit_sbin()
+        self.root = Path(tempfile.mkdtemp(prefix="anarchon-faults-rabbit-"))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @staticmethod
+    def available() -> bool:
+        return _rabbit_sbin() is not None
+
+    def env(self) -> dict[str, str]:
+        """The environment of the node and of its ``rabbitmqctl``: every
+        location and port its own, the system's rabbitmq-env.conf and
+        rabbitmq.conf (which name the shared node) replaced by empty ones."""
+        root = str(self.root)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("RABBITMQ_", "ERL_"))}
+        env.update(
+            HOME=root,
+            RABBITMQ_CONF_ENV_FILE=f"{root}/rabbitmq-env.conf",
+            RABBITMQ_CONFIG_FILE=f"{root}/rabbitmq.conf",
+            RABBITMQ_ADVANCED_CONFIG_FILE=f"{root}/advanced.config",
+            RABBITMQ_NODENAME=self.node,
+            RABBITMQ_NODE_IP_ADDRESS="127.0.0.1",
+            RABBITMQ_NODE_PORT=str(self.port),
+            RABBITMQ_DIST_PORT=str(self.dist_port),
+            RABBITMQ_MNESIA_BASE=f"{root}/mnesia",
+            RABBITMQ_LOG_BASE=f"{root}/log",
+            RABBITMQ_PID_FILE=f"{root}/rabbit.pid",
+            RABBITMQ_ENABLED_PLUGINS_FILE=f"{root}/enabled_plugins",
+            RABBITMQ_PLUGINS_EXPAND_DIR=f"{root}/plugins-expand",
+            RABBITMQ_FEATURE_FLAGS_FILE=f"{root}/feature_flags",
+            RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1}",
+            ERL_EPMD_ADDRESS="127.0.0.1",
+        )
+        return env
+
+    def __enter__(self) -> RabbitServer:
+        for name, text in (
+            ("rabbitmq-env.conf", ""),
+            # The node makes its default vhost and user (guest, every
+            # permission there) at first boot: no rabbitmqctl round trip
+            # (each starts an Erlang VM: seconds on a loaded machine).
+            ("rabbitmq.conf", f"default_vhost = {self.vhost}\n"),
+            ("advanced.config", "[].\n"),
+            ("enabled_plugins", "[].\n"),
+        ):
+            (self.root / name).write_text(text)
+        try:
+            self.start()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.crash()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def start(self) -> None:
+        """Boot the node; return once it accepts AMQP connections and its
+        boot has completed (``rabbitmqctl await_startup``)."""
+        assert self.sbin is not None
+        log = open(self.root / "server.log", "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [f"{self.sbin}/rabbitmq-server"],
+            env=self.env(),
+            cwd=self.root,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: crash() kills the node's only
+        )
+        log.close()
+        proc = self.proc
+        up = wait_until(
+            lambda: proc.poll() is not None or (port_open(self.port) and self._login()),
+            self.boot_timeout,
+            interval=0.2,
+        )
+        if not up or proc.poll() is not None:
+            self.crash()
+            raise RuntimeError(f"RabbitMQ node {self.node} did not start: {self._log_tail()}")
+
+    def _login(self) -> bool:
+        """True when guest can open a channel on the vhost (the node's boot
+        has got as far as serving it)."""
+        import amqp
+
+        try:
+            conn = amqp.Connection(
+                f"127.0.0.1:{self.port}", virtual_host=self.vhost, connect_timeout=2
+            )
+            conn.connect()
+            conn.channel().close()
+            conn.close()
+            return True
+        except Exception:
+            return False
+
+    def crash(self) -> None:
+        """SIGKILL the node (its whole process group: the start script and
+        the Erlang VM), and wait for it to be gone."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+        wait_until(lambda: not _group_alive(proc.pid), 15)
+
+    def ctl(self, *args: str) -> str:
+        """``rabbitmqctl -n <this node> args``; its output. Raises
+        :class:`subprocess.CalledProcessError` when it fails."""
+        assert self.sbin is not None
+        out = subprocess.run(
+            [f"{self.sbin}/rabbitmqctl", "-n", self.node, "-q", *args],
+            env=self.env(),
+            cwd=self.root,
+            capture_output=True,
+            text=True,
+            timeout=self.boot_timeout + 30,
+            check=True,
+        )
+        return out.stdout
+
+    def _log_tail(self, chars: int = 800) -> str:
+        found = []
+        for path in [self.root / "server.log", *sorted((self.root / "log").glob("*.log"))]:
+            with contextlib.suppress(OSError):
+                found.append(path.read_text(errors="replace")[-chars:])
+        return " | ".join(found) or "no log"
+
+
+def _group_alive(pgid: int) -> bool:
+    """True while a process of group ``pgid`` lives (zombies included)."""
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _rabbit_sbin() -> str | None:
+    """The folder of RabbitMQ's own start scripts (not Debian's wrapper in
+    /usr/sbin, which runs them as the ``rabbitmq`` user with the system's
+    settings), newest version first."""
+    found = sorted(glob.glob("/usr/lib/rabbitmq/lib/rabbitmq_server-*/sbin/rabbitmq-server"))
+    return str(Path(found[-1]).parent) if found else None
