@@ -94,6 +94,38 @@ MAX_MISSES_COUNTED = 1_000_000
 #: Most records queued while the backend is away (the newest are kept).
 MAX_UNRECORDED = 100_000
 
+#: Sent slots recorded ``sent`` in one backend call (``Backend.mark_many``),
+#: and the longest a send waits for its chunk to be recorded, seconds.
+MARK_CHUNK = 200
+MARK_DELAY = 0.1
+
+#: Most sent slots kept for recording while the backend is away (the newest
+#: are kept).
+MAX_UNMARKED = 100_000
+
+#: Take-over checks fall due on multiples of this, milliseconds (batched).
+TAKE_OVER_GRAIN_MS = 500
+
+#: A batch of claims holds at most what this instance claims and sends in
+#: ``lease_ttl / LEASE_SHARE`` at its measured rate, so every claim of it is
+#: sent long before its lease ends (a backup would take the rest over); the
+#: rest of a round waits in the heap for the next batch.
+LEASE_SHARE = 4
+
+#: The cost of sending one slot assumed before one is measured, seconds;
+#: the smallest batch of claims, and the fewest sends a cost is measured on.
+FIRST_SEND_COST = 0.01
+MIN_CLAIM_BATCH = 50
+MIN_SENDS_MEASURED = 20
+
+
+class _StaleClaim(Exception):
+    """A won claim was held too long to publish (its lease nearly ended)."""
+
+    def __init__(self, held_s: float) -> None:
+        super().__init__(f"claim held {held_s:.1f}s")
+        self.held_s = held_s
+
 
 def task_id_for(job: str, slot_ms: int) -> str:
     """The Celery task id of ``job``'s run at ``slot_ms``: the same on every
@@ -412,6 +444,15 @@ class Scheduler(beat.Scheduler):
         )
         #: slots lost to another owner and due a take-over check: (job, slot)
         self._take_over_due: set[tuple[str, int]] = set()
+        #: sent slots not yet recorded ``sent``: (job, claim, task id, retry
+        #: until ms), and when the oldest was queued (time.monotonic())
+        self._unmarked: list[tuple[Job, Claim, str, int]] = []
+        self._unmarked_since = 0.0
+        #: measured seconds per claimed slot and per sent slot, or None
+        self._claim_cost: float | None = None
+        self._send_cost: float | None = None
+        #: answers of this batch's Backend.holding read, by (job, slot, token)
+        self._holds: dict[tuple[str, int, int | str | None], bool] = {}
         #: claims whose send failed, left to a backup: (job, slot) -> (claim, error)
         self._failed_sends: dict[tuple[str, int], tuple[Claim, str]] = {}
         #: (job, instance, definition) drift already warned about
@@ -643,6 +684,8 @@ class Scheduler(beat.Scheduler):
             self._heartbeat(now)
         if self._backend_ready and self._unrecorded:
             self._record_after_outage()
+        if self._unmarked:
+            self._flush_marks()  # sent slots a backend blip left unrecorded
         # A job has one slot in the heap at a time, so after a stall or at
         # start-up its next slots can be due at once: keep taking rounds,
         # each one batch, for at most TICK_BUDGET seconds, then yield to beat.
@@ -659,11 +702,15 @@ class Scheduler(beat.Scheduler):
         wait = min(wait, max(self._next_heartbeat - self._clock(), 0.0) or HEARTBEAT_INTERVAL)
         if self._events:
             wait = min(wait, max((self._events[0][0] - self._now_ms()) / 1000.0, 0.0))
+        if self._unmarked:  # retry recording them when the backend is retried
+            wait = min(wait, max(self._retry_at - self._clock(), MARK_DELAY))
         return wait
 
     def _process(self, due: Sequence[tuple[int, Job, int]]) -> None:
-        """Act on one round of due events: record misses, claim the rest in
-        one batch, take over expired leases, send what was won.
+        """Act on one round of due events: record misses, take over expired
+        leases (one batch), claim the rest (one batch, at most
+        :meth:`_claim_limit` of them; the others wait in the heap), send
+        what was won, and record it ``sent`` in chunks.
 
         A job's next slot is planned as soon as its current slot is due
         (``DUE``), whatever this instance's claim delay for the current one,
@@ -672,10 +719,11 @@ class Scheduler(beat.Scheduler):
         assert self._settings is not None
         now_ms = self._now_ms()
         to_claim: list[tuple[Job, int, bool]] = []
+        take_overs: list[tuple[Job, int]] = []
         for kind, job, slot_ms in due:
             late = now_ms > slot_ms + _ms(job.options.max_late)
             if kind == TAKE_OVER:
-                self._take_over(job, slot_ms, now_ms)
+                take_overs.append((job, slot_ms))
             elif kind == SEND_FAILED:
                 self._close_failed_send(job, slot_ms)
             elif kind == CATCH_UP:
@@ -694,23 +742,82 @@ class Scheduler(beat.Scheduler):
                 if job.options.overlap == "skip" and self._skip_for_overlap(job, slot_ms):
                     continue
                 to_claim.append((job, slot_ms, False))
-        if not to_claim:
-            return
-        claims = self._claim([(job, slot, catch_up) for job, slot, catch_up in to_claim])
-        claimed_at = self._clock()
+        if take_overs:
+            self._take_over(take_overs, now_ms)
+        if to_claim:
+            self._claim_and_send(to_claim, now_ms)
+        self._flush_marks()
+
+    def _claim_and_send(self, to_claim: Sequence[tuple[Job, int, bool]], now_ms: int) -> None:
+        """Claim ``(job, slot, catch_up)`` slots in one batch of at most
+        :meth:`_claim_limit`, planning the rest as claims due now (the next
+        round of this tick, or the next tick); send what was won."""
+        limit = self._claim_limit(to_claim)
+        for job, slot_ms, catch_up in to_claim[limit:]:
+            self._push_event(slot_ms, CATCH_UP if catch_up else CLAIM, job.name, slot_ms)
+        batch = to_claim[:limit]
+        started = time.monotonic()
+        claims = self._claim(batch)
+        claimed_at, sending = self._clock(), time.monotonic()
         # Held until sent: a shutdown in the middle of this batch releases
         # the rest (hand-over) instead of leaving them to lease expiry.
         self._held.update({(c.job, c.slot_ms): c for c in claims if c.won})
-        for (job, _, _), claim in zip(to_claim, claims, strict=True):
+        won: list[tuple[Job, Claim]] = []
+        for (job, _, _), claim in zip(batch, claims, strict=True):
             if claim.won:
-                self._send(job, claim, claimed_at)
-            else:
-                self.metrics.lost(job.name)
-                logger.debug(
-                    "anarchon: lost %s @ %s (%s)", job.name, _iso(claim.slot_ms), claim.reason
+                won.append((job, claim))
+                continue
+            self.metrics.lost(job.name)
+            logger.debug("anarchon: lost %s @ %s (%s)", job.name, _iso(claim.slot_ms), claim.reason)
+            if claim.reason == "taken":
+                self._plan_take_over(job, claim.slot_ms, now_ms)
+        self._send_all(won, claimed_at)
+        self._flush_marks()
+        if self._backend_ready:
+            self._measure(len(batch), sending - started, len(won), time.monotonic() - sending)
+
+    def _send_all(self, won: Sequence[tuple[Job, Claim]], claimed_at: float) -> None:
+        """Send won claims in order, recording ``sent`` in chunks. Should the
+        batch still be sending past half the shortest lease, whether the
+        rest is still held is read in one batched call first."""
+        shortest = min((job.options.lease_ttl for job, _ in won), default=0.0)
+        checked = False
+        for index, (job, claim) in enumerate(won):
+            if not checked and self._clock() - claimed_at > shortest / 2:
+                checked = True
+                rest = [c for _, c in won[index:]]
+                self._holds = dict(
+                    zip(
+                        [(c.job, c.slot_ms, c.token) for c in rest],
+                        self._read_holding(rest),
+                        strict=True,
+                    )
                 )
-                if claim.reason == "taken":
-                    self._plan_take_over(job, claim.slot_ms, now_ms)
+            self._send(job, claim, claimed_at)
+        self._holds = {}
+
+    def _claim_limit(self, to_claim: Sequence[tuple[Job, int, bool]]) -> int:
+        """The most slots to claim in one batch: as many as this instance
+        claims and sends in ``lease_ttl / LEASE_SHARE`` (the shortest lease
+        among the slots) should it win them all, at its measured costs
+        (:data:`FIRST_SEND_COST` per send before one is measured), at least
+        :data:`MIN_CLAIM_BATCH`. No limit on a claim-only backend (no lease
+        for a backup to take over)."""
+        backend = self._backend
+        if backend is None or not backend.supports_leases:
+            return len(to_claim)
+        lease_s = min(job.options.lease_ttl for job, _, _ in to_claim)
+        per_slot = (self._claim_cost or 0.0) + (self._send_cost or FIRST_SEND_COST)
+        return max(MIN_CLAIM_BATCH, int(lease_s / LEASE_SHARE / per_slot))
+
+    def _measure(self, claimed: int, claim_s: float, sent: int, send_s: float) -> None:
+        """Fold one batch (``claimed`` slots claimed in ``claim_s`` seconds,
+        ``sent`` of them sent and recorded in ``send_s``) into the measured
+        costs per slot (moving averages; small batches are not measured)."""
+        if claimed >= MIN_CLAIM_BATCH:
+            self._claim_cost = _average(self._claim_cost, claim_s / claimed)
+        if sent >= MIN_SENDS_MEASURED:
+            self._send_cost = _average(self._send_cost, send_s / sent)
 
     def _claim(self, due: Sequence[tuple[Job, int, bool]]) -> list[Claim]:
         """Claim a batch; ``(job, slot, catch_up)`` each. Never raises:
@@ -782,7 +889,10 @@ class Scheduler(beat.Scheduler):
         if now_ms + lease_ms > slot_ms + _ms(job.options.max_late):
             return  # the lease outlives max_late: a take-over would be late anyway
         delay_ms = self._random.randint(0, _ms(job.options.jitter) or 1)
-        self._push_event(now_ms + lease_ms + delay_ms, TAKE_OVER, job.name, slot_ms)
+        # Rounded up to TAKE_OVER_GRAIN_MS, so the checks of one round fall
+        # due together and go to the backend as a few batches, not one each.
+        due_ms = -(-(now_ms + lease_ms + delay_ms) // TAKE_OVER_GRAIN_MS) * TAKE_OVER_GRAIN_MS
+        self._push_event(due_ms, TAKE_OVER, job.name, slot_ms)
         self._take_over_due.add((job.name, slot_ms))
 
     def _check_take_overs_now(self) -> None:
@@ -792,31 +902,47 @@ class Scheduler(beat.Scheduler):
         for name, slot_ms in self._take_over_due:
             self._push_event(now_ms, TAKE_OVER, name, slot_ms)
 
-    def _take_over(self, job: Job, slot_ms: int, now_ms: int) -> None:
+    def _take_over(self, due: Sequence[tuple[Job, int]], now_ms: int) -> None:
+        """Check the ``(job, slot)`` take-overs due in this round with one
+        batched call (:meth:`Backend.take_over_many`: slots already sent
+        are answered from one read) and send the slots taken over. A slot
+        past ``max_late`` is dropped; one the backend did not answer stays
+        due a check (at once if an instance leaves the registry)."""
         assert self._settings is not None and self._backend is not None
-        if now_ms > slot_ms + _ms(job.options.max_late):
-            self._take_over_due.discard((job.name, slot_ms))
+        todo: list[tuple[Job, int]] = []
+        for job, slot_ms in due:
+            if now_ms > slot_ms + _ms(job.options.max_late):
+                self._take_over_due.discard((job.name, slot_ms))
+            else:
+                todo.append((job, slot_ms))
+        if not todo or not self._backend_ready:
             return
-        if not self._backend_ready:
-            return
+        requests = [job.claim_request(slot, self._settings.max_skew) for job, slot in todo]
         try:
-            claim = self._backend.take_over(job.claim_request(slot_ms, self._settings.max_skew))
+            claims = self._backend.take_over_many(requests)
         except BackendUnavailable as exc:
             self._on_outage(exc)
             return
         except Exception:
-            logger.exception("anarchon: take-over of %s failed", job.name)
+            logger.exception("anarchon: take-over of %d slot(s) failed", len(todo))
             return
-        self._take_over_due.discard((job.name, slot_ms))
-        if claim.won:
-            self.metrics.superseded(job.name)
-            logger.warning(
-                "anarchon: took %s @ %s over from an owner whose lease ended (token %s)",
-                job.name,
-                _iso(slot_ms),
-                claim.token,
-            )
-            self._send(job, claim, self._clock())
+        if len(claims) != len(todo):
+            logger.error("anarchon: backend answered %d of %d take-overs", len(claims), len(todo))
+            return
+        claimed_at = self._clock()
+        for (job, slot_ms), claim in zip(todo, claims, strict=True):
+            if claim.reason == "unknown":
+                continue
+            self._take_over_due.discard((job.name, slot_ms))
+            if claim.won:
+                self.metrics.superseded(job.name)
+                logger.warning(
+                    "anarchon: took %s @ %s over from an owner whose lease ended (token %s)",
+                    job.name,
+                    _iso(slot_ms),
+                    claim.token,
+                )
+                self._send(job, claim, claimed_at)
 
     # -- overlap protection ------------------------------------------------
 
@@ -953,13 +1079,7 @@ class Scheduler(beat.Scheduler):
             task_id,
             self.instance_id,
         )
-        if not self._mark(claim, State.SENT, task_id=task_id):
-            logger.warning(
-                "anarchon: %s @ %s was taken over by another instance while this one "
-                "sent it; the worker integration discards the second delivery",
-                job.name,
-                _iso(claim.slot_ms),
-            )
+        self._record_sent(job, claim, task_id)
 
     def _on_send_failed(self, job: Job, claim: Claim, task_id: str, exc: Exception) -> None:
         """Sending a won slot failed (this instance cannot reach Celery's
@@ -1009,18 +1129,42 @@ class Scheduler(beat.Scheduler):
         return expires_for(job.options, slot_ms, following)
 
     def _still_holds(self, claim: Claim) -> bool:
-        """True when ``claim``'s token is still the slot's current one."""
+        """True when ``claim`` is still held: its token is the slot's current
+        one, the run is still ``claimed``, and its lease ends more than a
+        tenth of the lease after the backend's now. Answered from the
+        batch's one :meth:`Backend.holding` read (:meth:`_send_all`) when it
+        made one, else with one read of its own; False when the backend
+        does not answer."""
         if self._backend is None or not self._backend.supports_leases:
             return True
+        known = self._holds.pop((claim.job, claim.slot_ms, claim.token), None)
+        if known is not None:
+            return known
+        return self._read_holding([claim])[0]
+
+    def _read_holding(self, claims: Sequence[Claim]) -> list[bool]:
+        """:meth:`Backend.holding` for ``claims``, with a margin of a tenth
+        of the shortest lease; all False when the backend does not answer."""
+        backend = self._backend
+        if backend is None or not claims:
+            return [False] * len(claims)
+        leases = [self._jobs[c.job].options.lease_ttl for c in claims if c.job in self._jobs]
+        margin_ms = _ms(min(leases, default=0.0) / 10)
         try:
-            for record in self._backend.history(claim.job):
-                if record.slot_ms == claim.slot_ms and record.manual_key is None:
-                    return record.token == claim.token and record.state is State.CLAIMED
+            answers = backend.holding(claims, margin_ms)
         except BackendUnavailable as exc:
             self._on_outage(exc)
-        return False
+        except Exception:
+            logger.exception("anarchon: reading the leases of %d claim(s) failed", len(claims))
+        else:
+            if len(answers) == len(claims):
+                return answers
+        return [False] * len(claims)
 
     def _mark(self, claim: Claim, state: State, **fields: Any) -> bool:
+        """Record ``state`` for ``claim`` (one call); True when written,
+        False when refused (fenced) or not written (the backend did not
+        answer: logged, and an outage begins)."""
         if self._backend is None:
             return False
         started = time.perf_counter()
@@ -1034,7 +1178,81 @@ class Scheduler(beat.Scheduler):
         else:
             self.metrics.backend_call("mark", time.perf_counter() - started)
             return done
-        return True
+        return False
+
+    def _record_sent(self, job: Job, claim: Claim, task_id: str) -> None:
+        """Queue ``sent`` for a slot just published; the queue goes to the
+        backend in chunks (:meth:`_flush_marks`) of :data:`MARK_CHUNK`, or
+        once its oldest waited :data:`MARK_DELAY` seconds, and at the end
+        of every batch. Until recorded, a mark is retried (a backend blip
+        must not leave the slot ``claimed``, for a backup to take over and
+        publish again) while a backup could still take the slot over: until
+        the lease or the slot's claim window ends, whichever is later."""
+        assert self._settings is not None
+        o = job.options
+        window_end = claim.slot_ms + _ms(o.max_late + o.jitter + self._settings.max_skew)
+        until_ms = max(window_end, self._now_ms() + _ms(o.lease_ttl))
+        if not self._unmarked:
+            self._unmarked_since = time.monotonic()
+        self._unmarked.append((job, claim, task_id, until_ms))
+        if len(self._unmarked) > MAX_UNMARKED:
+            dropped = self._unmarked[:-MAX_UNMARKED]
+            del self._unmarked[:-MAX_UNMARKED]
+            self._warn_unrecorded(dropped, "too many were waiting")
+        ready = self._backend_ready and len(self._unmarked) >= MARK_CHUNK
+        if ready or time.monotonic() - self._unmarked_since >= MARK_DELAY:
+            self._flush_marks()
+
+    def _flush_marks(self) -> None:
+        """Record ``sent`` for the queued slots, :data:`MARK_CHUNK` per
+        :meth:`Backend.mark_many` call. On an outage the rest stays queued
+        and is retried at later ticks; a mark whose retry time passed is
+        dropped with a warning. A refused mark (the slot was taken over
+        meanwhile) is logged."""
+        now_ms = self._now_ms()
+        expired = [m for m in self._unmarked if m[3] < now_ms]
+        if expired:
+            self._unmarked = [m for m in self._unmarked if m[3] >= now_ms]
+            self._warn_unrecorded(expired, "the backend did not answer in time")
+        backend = self._backend
+        while self._unmarked and backend is not None and self._backend_ready:
+            chunk = self._unmarked[:MARK_CHUNK]
+            started = time.perf_counter()
+            try:
+                answers = backend.mark_many(
+                    [claim for _, claim, _, _ in chunk],
+                    State.SENT,
+                    task_ids=[task_id for _, _, task_id, _ in chunk],
+                )
+            except BackendUnavailable as exc:
+                self.metrics.backend_error("mark")
+                self._on_outage(exc)
+                break
+            except Exception:  # a bug, not an outage: logged, not retried
+                logger.exception("anarchon: recording %d sent slot(s) failed", len(chunk))
+                answers = [True] * len(chunk)
+            else:
+                self.metrics.backend_call("mark", time.perf_counter() - started)
+            del self._unmarked[: len(chunk)]
+            for (job, claim, _, _), done in zip(chunk, answers, strict=False):
+                if not done:
+                    logger.warning(
+                        "anarchon: %s @ %s was taken over by another instance while this "
+                        "one sent it; the worker integration discards the second delivery",
+                        job.name,
+                        _iso(claim.slot_ms),
+                    )
+        self._unmarked_since = time.monotonic()
+
+    def _warn_unrecorded(self, marks: Sequence[tuple[Job, Claim, str, int]], why: str) -> None:
+        logger.warning(
+            "anarchon: %d sent slot(s) could not be recorded sent (%s), first %s @ %s; "
+            "a backup instance may send them again",
+            len(marks),
+            why,
+            marks[0][0].name,
+            _iso(marks[0][1].slot_ms),
+        )
 
     def _record_missed(self, job: Job, slot_ms: int, now_ms: int) -> None:
         """Record ``slot_ms`` and every later slot already past ``max_late``
@@ -1250,6 +1468,7 @@ class Scheduler(beat.Scheduler):
             self._closed = True
             backend = self._backend
             if backend is not None and self._backend_ready:
+                self._flush_marks()
                 self._hand_over(backend)
                 try:
                     backend.unregister(self.instance_id)
@@ -1308,6 +1527,11 @@ class Scheduler(beat.Scheduler):
 
     def _now_ms(self) -> int:
         return int(self._clock() * 1000)
+
+
+def _average(old: float | None, sample: float) -> float:
+    """A moving average: half the old value, half the new sample."""
+    return sample if old is None else (old + sample) / 2
 
 
 def _iso(ms: int) -> str:

@@ -350,3 +350,102 @@ def test_describe_masks_credentials(backend_name: str, tmp_path: object) -> None
         "sqlite": "sqlite:////tmp/x.db",
     }[backend_name]
     assert "s3cret" not in backend_from_url(url, instance="x").describe()
+
+
+# -- batched calls (the scheduler's chunks) --------------------------------
+
+
+def test_mark_many_records_each_claim_in_order(backend: Backend, job: str) -> None:
+    slots = slots_from(backend, 4)
+    claims = backend.claim([request_for(backend, f"{job}-{i % 2}", s) for i, s in enumerate(slots)])
+    assert all(c.won for c in claims)
+    task_ids = [f"task-{i}" for i in range(len(claims))]
+    assert backend.mark_many(claims, State.SENT, task_ids=task_ids) == [True] * 4
+    for i, claim in enumerate(claims):
+        [record] = [r for r in backend.history(claim.job) if r.slot_ms == claim.slot_ms]
+        assert (record.state, record.task_id) == (State.SENT, f"task-{i}")
+        assert record.sent_at_ms is not None
+    # sent again (a retry after a lost answer): written again, answered True
+    assert backend.mark_many(claims, State.SENT, task_ids=task_ids) == [True] * 4
+    assert backend.mark_many([], State.SENT) == []
+
+
+def test_mark_many_fences_each_claim_by_its_token(backend: Backend, job: str) -> None:
+    lease_only(backend)
+    slots = slots_from(backend, 3)
+    claims = backend.claim([request_for(backend, job, s) for s in slots])
+    assert isinstance(claims[1].token, int)
+    stale = Claim(job=job, slot_ms=claims[1].slot_ms, won=True, token=claims[1].token + 1)
+    lost = Claim(job=job, slot_ms=claims[2].slot_ms, won=False)
+    answers = backend.mark_many([claims[0], stale, lost], State.SENT, task_ids=["a", "b", "c"])
+    assert answers == [True, False, False]
+    states = {r.slot_ms: (r.state, r.task_id) for r in backend.history(job)}
+    assert states[slots[0]] == (State.SENT, "a")
+    assert states[slots[1]] == (State.CLAIMED, None)
+    assert states[slots[2]] == (State.CLAIMED, None)
+
+
+def test_mark_many_refuses_task_ids_of_another_length(backend: Backend, job: str) -> None:
+    claim = backend.claim([request_for(backend, job)])[0]
+    with pytest.raises(ValueError):
+        backend.mark_many([claim], State.SENT, task_ids=["a", "b"])
+
+
+def test_take_over_many_answers_each_slot(make_backend: BackendFactory, job: str) -> None:
+    a, b = make_backend("host-a"), make_backend("host-b")
+    slots = slots_from(a, 3)
+    requests = [request_for(a, job, s) for s in slots]
+    sent, live, released = a.claim(requests)
+    if not a.supports_leases:
+        assert [c.won for c in b.take_over_many(requests)] == [False] * 3
+        return
+    a.mark(sent, State.SENT, task_id="t")
+    a.release([released])
+    answers = b.take_over_many(requests)
+    assert [c.slot_ms for c in answers] == slots
+    assert [(c.won, c.reason) for c in answers[:2]] == [(False, "taken"), (False, "taken")]
+    assert answers[2].won and isinstance(answers[2].token, int)
+    assert b.mark(answers[2], State.SENT, task_id="backup")
+    assert a.mark(live, State.SENT, task_id="owner")
+    assert b.take_over_many([]) == []
+
+
+def test_take_over_many_takes_expired_leases_only(make_backend: BackendFactory, job: str) -> None:
+    a, b = make_backend("host-a"), make_backend("host-b")
+    lease_only(a)
+    slots = slots_from(a, 2)
+    short = [request_for(a, job, s, lease_ms=1) for s in slots]
+    first, second = a.claim(short)
+    a.mark(second, State.SENT, task_id="t")
+    time.sleep(0.05)
+    answers = b.take_over_many(short)
+    assert [c.won for c in answers] == [True, False]
+    assert isinstance(first.token, int) and answers[0].token == first.token + 1
+    assert not a.mark(first, State.SENT, task_id="late")  # superseded: fenced
+    states = [(r.slot_ms, r.state) for r in b.history(job)]
+    assert (slots[0], State.SUPERSEDED) in states and (slots[0], State.CLAIMED) in states
+
+
+def test_holding_reads_token_state_and_lease(make_backend: BackendFactory, job: str) -> None:
+    a = make_backend("host-a")
+    slots = slots_from(a, 4)
+    held, sent, short, other = a.claim(
+        [
+            request_for(a, job, slots[0]),
+            request_for(a, job, slots[1]),
+            request_for(a, job, slots[2], lease_ms=1),
+            request_for(a, job, slots[3]),
+        ]
+    )
+    lost = Claim(job=job, slot_ms=slots[3], won=False)
+    if not a.supports_leases:
+        assert a.holding([held, lost]) == [True, False]
+        return
+    assert isinstance(other.token, int)
+    stale = Claim(job=job, slot_ms=slots[3], won=True, token=other.token + 1)
+    a.mark(sent, State.SENT, task_id="t")
+    time.sleep(0.05)
+    assert a.holding([held, sent, short, stale, lost]) == [True, False, False, False, False]
+    # a margin beyond the 30 s lease: not held long enough
+    assert a.holding([held], margin_ms=60_000) == [False]
+    assert a.holding([]) == []

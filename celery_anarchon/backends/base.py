@@ -12,6 +12,10 @@ contract is small and each call is atomic on the backend:
 * :meth:`Backend.record_if_absent` -- write ``missed`` or ``skipped`` for a
   slot nobody acted on;
 * :meth:`Backend.release` -- give back claimed, unsent slots (hand-over);
+* :meth:`Backend.mark_many`, :meth:`Backend.take_over_many`,
+  :meth:`Backend.holding` -- the scheduler's batched calls: record ``sent``
+  for many claims, check many expired leases, read whether claims are still
+  held (defaults built on the single calls);
 * :meth:`Backend.history`, :meth:`Backend.last_run` -- read per-job history;
 * :meth:`Backend.claim_manual` -- the claim behind ``run_now``.
 
@@ -372,6 +376,92 @@ class Backend(abc.ABC):
             BackendUnavailable: no answer.
         """
         return Claim(request.job, request.slot_ms, won=False, reason="taken")
+
+    def mark_many(
+        self,
+        claims: Sequence[Claim],
+        state: State,
+        *,
+        task_ids: Sequence[str | None] | None = None,
+    ) -> list[bool]:
+        """:meth:`mark` for many won claims at once (the scheduler records
+        ``sent`` for a chunk of sent slots in one call), each fenced by its
+        own token, with the same rules and answers as :meth:`mark`.
+
+        The default calls :meth:`mark` for each claim; backends override it
+        with one round trip (a pipeline, a transaction, one append).
+
+        Args:
+            claims: won claims, any jobs and slots.
+            state: the state to record for every claim.
+            task_ids: one task id (or None) per claim, in order; None: none.
+        Returns:
+            one answer per claim, in order, as :meth:`mark` gives it.
+        Raises:
+            ValueError: ``task_ids`` is not as long as ``claims``.
+            BackendUnavailable: no answer, or not every claim was answered;
+                nothing may be assumed written then, and the caller may
+                send the whole call again (a repeated ``sent`` is written
+                again and answers True).
+        """
+        ids = [None] * len(claims) if task_ids is None else list(task_ids)
+        if len(ids) != len(claims):
+            raise ValueError(f"{len(ids)} task ids for {len(claims)} claims")
+        return [
+            self.mark(claim, state, task_id=task_id)
+            for claim, task_id in zip(claims, ids, strict=True)
+        ]
+
+    def take_over_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
+        """:meth:`take_over` for many slots at once (the backup runner's
+        checks due in one tick), with the same rules and answers. Slots
+        already sent are answered lost (``"taken"``) from one batched read.
+
+        The default calls :meth:`take_over` for each request.
+
+        Returns:
+            one :class:`Claim` per request, in request order; ``"unknown"``
+            for a request the backend answered with an error while it
+            answered others.
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        return [self.take_over(request) for request in requests]
+
+    def holding(self, claims: Sequence[Claim], margin_ms: int = 0) -> list[bool]:
+        """Whether each won claim is still held, in one batched read: the
+        slot's current record carries the claim's token, is still
+        ``claimed``, and its lease ends more than ``margin_ms``
+        (milliseconds) after the backend's now. The scheduler asks before
+        publishing a claim it has held for more than half its lease.
+
+        The default reads each job's history once and the backend's clock
+        once. Claim-only backends keep no lease: every won claim is held.
+
+        Returns:
+            one answer per claim, in order (False for a lost claim).
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        if not self.supports_leases:
+            return [claim.won for claim in claims]
+        now = self.now_ms()
+        current: dict[tuple[str, int], RunRecord] = {}
+        for job in {claim.job for claim in claims if claim.won}:
+            for record in self.history(job):
+                if record.manual_key is None:
+                    current.setdefault((job, record.slot_ms), record)
+        answers = []
+        for claim in claims:
+            found = current.get((claim.job, claim.slot_ms))
+            answers.append(
+                claim.won
+                and found is not None
+                and found.token == claim.token
+                and found.state is State.CLAIMED
+                and (found.lease_until_ms or 0) > now + margin_ms
+            )
+        return answers
 
     def release(self, claims: Sequence[Claim]) -> None:  # noqa: B027
         """Give back won claims that were not sent (hand-over on shutdown),

@@ -1203,9 +1203,46 @@ class RabbitMQBackend(Backend):
             BackendUnavailable: the record could not be appended (no
                 connection, no confirm within ``confirm_timeout``).
         """
+        with self._lock:
+            self._append([self._mark_record(claim, state, self.now_ms(), task_id, error)])
+        return True
+
+    def mark_many(
+        self,
+        claims: Sequence[Claim],
+        state: State,
+        *,
+        task_ids: Sequence[str | None] | None = None,
+    ) -> list[bool]:
+        """:meth:`mark` for many claims: one append of all the records to
+        their jobs' history streams, the confirms read together.
+
+        Returns:
+            True for each claim (no token to check).
+        Raises:
+            ValueError: ``task_ids`` is not as long as ``claims``.
+            BackendUnavailable: as :meth:`mark`; the whole call may be sent
+                again (a repeated record folds into the same run).
+        """
+        ids = [None] * len(claims) if task_ids is None else list(task_ids)
+        if len(ids) != len(claims):
+            raise ValueError(f"{len(ids)} task ids for {len(claims)} claims")
+        if not claims:
+            return []
         now = self.now_ms()
+        records = [
+            self._mark_record(claim, State(state), now, task_id, None)
+            for claim, task_id in zip(claims, ids, strict=True)
+        ]
+        with self._lock:
+            self._append(records)
+        return [True] * len(claims)
+
+    def _mark_record(
+        self, claim: Claim, state: State, now: int, task_id: str | None, error: str | None
+    ) -> RunRecord:
         finished = state in (State.SUCCEEDED, State.FAILED, State.LOST)
-        record = RunRecord(
+        return RunRecord(
             job=claim.job,
             slot_ms=claim.slot_ms,
             state=state,
@@ -1217,9 +1254,6 @@ class RabbitMQBackend(Backend):
             task_id=task_id,
             error=error,
         )
-        with self._lock:
-            self._append([record])
-        return True
 
     def _append(self, records: Sequence[RunRecord]) -> None:
         """Publish ``records`` to their jobs' history streams (declared

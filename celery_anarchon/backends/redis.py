@@ -432,6 +432,29 @@ end
 return out
 """
 
+# Whether a claim is still held (the scheduler's check before a late send).
+# KEYS[1] - history records  {PJ}:runs
+# ARGV[1] - slot_ms
+# ARGV[2] - fencing token (decimal string)
+# ARGV[3] - margin_ms
+# return 1 when the slot's current record carries this token, is still
+# 'claimed', and its lease ends more than margin_ms after the server's now;
+# 0 otherwise. Reads only.
+LUA_HOLDING_SCRIPT = """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw then
+    return 0
+end
+local run = cjson.decode(raw)
+if run.state ~= 'claimed' or run.token == nil or int(run.token) ~= ARGV[2] then
+    return 0
+end
+if (run.lease_until_ms or 0) <= now_ms() + tonumber(ARGV[3]) then
+    return 0
+end
+return 1
+"""
+
 # Add or refresh an instance in the registry; prune dead ones.
 # KEYS[1] - instance hash    {P}:instance:<id>
 # KEYS[2] - registry index   {P}:instances
@@ -476,7 +499,8 @@ RELEASE = _script("release", LUA_RELEASE_SCRIPT)
 MANUAL = _script("claim_manual", LUA_MANUAL_SCRIPT)
 HISTORY = _script("history", LUA_HISTORY_SCRIPT)
 REGISTER = _script("register", LUA_REGISTER_SCRIPT)
-SCRIPTS = (CLAIM, TAKE_OVER, MARK, EXTEND, RECORD, RELEASE, MANUAL, HISTORY, REGISTER)
+HOLDING = _script("holding", LUA_HOLDING_SCRIPT)
+SCRIPTS = (CLAIM, TAKE_OVER, MARK, EXTEND, RECORD, RELEASE, MANUAL, HISTORY, REGISTER, HOLDING)
 
 #: The history timestamp each state sets.
 _STAMP = {
@@ -747,8 +771,47 @@ class RedisBackend(Backend):
         """
         if claim.token is None:
             return False
+        return bool(self._call(self._mark_call(claim, State(state), task_id, error)))
+
+    def mark_many(
+        self,
+        claims: Sequence[Claim],
+        state: State,
+        *,
+        task_ids: Sequence[str | None] | None = None,
+    ) -> list[bool]:
+        """:meth:`mark` for many claims: one pipeline of
+        :data:`LUA_MARK_SCRIPT` calls, each fenced by its claim's token.
+
+        Returns:
+            one answer per claim, in order (see :meth:`mark`).
+        Raises:
+            ValueError: ``task_ids`` is not as long as ``claims``.
+            BackendUnavailable: no answer, or Redis answered any of the
+                scripts with an error (the whole call may be sent again).
+        """
+        ids = [None] * len(claims) if task_ids is None else list(task_ids)
+        if len(ids) != len(claims):
+            raise ValueError(f"{len(ids)} task ids for {len(claims)} claims")
         state = State(state)
-        keys = [self._runs_key(claim.job)]
+        marked = [
+            (i, self._mark_call(claim, state, task_id, None))
+            for i, (claim, task_id) in enumerate(zip(claims, ids, strict=True))
+            if claim.token is not None
+        ]
+        answers = [False] * len(claims)
+        if not marked:
+            return answers
+        replies = self._run([call for _, call in marked])
+        for (i, _), reply in zip(marked, replies, strict=True):
+            if isinstance(reply, Exception):
+                raise self._unavailable("mark", reply) from reply
+            answers[i] = bool(reply)
+        return answers
+
+    def _mark_call(
+        self, claim: Claim, state: State, task_id: str | None, error: str | None
+    ) -> _Call:
         args = [
             claim.slot_ms,
             str(claim.token),
@@ -757,7 +820,50 @@ class RedisBackend(Backend):
             task_id or "",
             error or "",
         ]
-        return bool(self._call((MARK, keys, args)))
+        return (MARK, [self._runs_key(claim.job)], args)
+
+    def take_over_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
+        """:meth:`take_over` for many slots: one pipeline of
+        :data:`LUA_TAKE_OVER_SCRIPT` calls (a slot already sent answers 0
+        after one ``HGET``).
+
+        Returns:
+            one :class:`Claim` per request, in order; ``"unknown"`` for a
+            script Redis answered with an error while answering others.
+        Raises:
+            BackendUnavailable: no answer, or every script failed.
+        """
+        if not requests:
+            return []
+        replies = self._run([self._slot_call(TAKE_OVER, r) for r in requests])
+        errors = [r for r in replies if isinstance(r, Exception)]
+        if len(errors) == len(replies):
+            raise self._unavailable("take_over", errors[0]) from errors[0]
+        return [_claim_answer(r, reply) for r, reply in zip(requests, replies, strict=True)]
+
+    def holding(self, claims: Sequence[Claim], margin_ms: int = 0) -> list[bool]:
+        """Whether each claim is still held, with one pipeline of
+        :data:`LUA_HOLDING_SCRIPT` calls (reads only; the lease judged by the
+        server's clock).
+
+        Returns:
+            one answer per claim, in order (see :meth:`Backend.holding`).
+        Raises:
+            BackendUnavailable: no answer, or an error reply.
+        """
+        asked = [(i, c) for i, c in enumerate(claims) if c.won and c.token is not None]
+        answers = [False] * len(claims)
+        if not asked:
+            return answers
+        calls = [
+            (HOLDING, [self._runs_key(c.job)], [c.slot_ms, str(c.token), int(margin_ms)])
+            for _, c in asked
+        ]
+        for (i, _), reply in zip(asked, self._run(calls), strict=True):
+            if isinstance(reply, Exception):
+                raise self._unavailable("holding", reply) from reply
+            answers[i] = bool(reply)
+        return answers
 
     def extend(self, claim: Claim, lease_ms: int, *, restart: bool = False) -> bool:
         """Extend a running run's lease to the server's now plus ``lease_ms``

@@ -641,6 +641,90 @@ class SQLBackend(Backend):
         conn.execute(sa.insert(runs), row)
         return self._answer(request, True, token=row["token"])
 
+    def take_over_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
+        """:meth:`take_over` for many slots in one transaction: one
+        ``SELECT`` of the slots' current records (per :data:`INSERT_CHUNK`)
+        answers every slot already sent, or with a live lease, at once; only
+        the rest (no record, or ``claimed`` with an expired lease) go through
+        :meth:`take_over`'s locked read, supersede and insert.
+
+        Returns:
+            one :class:`Claim` per request, in request order.
+        Raises:
+            BackendUnavailable: no answer; treat every request as lost.
+        """
+        if not requests:
+            return []
+        answers: list[Claim] = []
+        with self._write("take over") as conn:
+            now = self._now(conn)
+            keys = [(key_of(r.job), r.slot_ms) for r in requests]
+            current = self._current_records(conn, keys)
+            for request, key in zip(requests, keys, strict=True):
+                row = current.get(key)
+                alive = row is not None and not (
+                    row.state == State.CLAIMED.value
+                    and row.manual_key is None
+                    and (row.lease_until_ms or 0) < now
+                )
+                if alive:
+                    answers.append(_lost(request.job, request.slot_ms, "taken"))
+                else:
+                    answers.append(self._take_over(conn, request))
+        self._after_writes(
+            (key_of(r.job), r.history_size, r.history_ttl_ms)
+            for r, a in zip(requests, answers, strict=True)
+            if a.won
+        )
+        return answers
+
+    def holding(self, claims: Sequence[Claim], margin_ms: int = 0) -> list[bool]:
+        """Whether each claim is still held, from one ``SELECT`` of the
+        slots' current records (per :data:`INSERT_CHUNK`) and the database
+        clock (see :meth:`Backend.holding`).
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        asked = [c for c in claims if c.won and isinstance(c.token, int)]
+        if not asked:
+            return [False] * len(claims)
+        with self._read("read leases") as conn:
+            now = self._now(conn)
+            current = self._current_records(
+                conn, [(key_of(c.job), c.slot_ms) for c in asked], lock=False
+            )
+        answers = []
+        for claim in claims:
+            row = current.get((key_of(claim.job), claim.slot_ms))
+            answers.append(
+                claim.won
+                and row is not None
+                and int(row.token) == claim.token
+                and row.state == State.CLAIMED.value
+                and (row.lease_until_ms or 0) > now + margin_ms
+            )
+        return answers
+
+    def _current_records(
+        self, conn: Connection, keys: Sequence[tuple[str, int]], *, lock: bool = False
+    ) -> dict[tuple[str, int], Any]:
+        """The current (highest-token) record of each ``(job key, slot_ms)``
+        that has one, one ``SELECT`` per :data:`INSERT_CHUNK` keys."""
+        runs = self._tables.runs
+        found: dict[tuple[str, int], Any] = {}
+        unique = sorted(set(keys))
+        for start in range(0, len(unique), INSERT_CHUNK):
+            chunk = unique[start : start + INSERT_CHUNK]
+            query = sa.select(runs).where(sa.tuple_(runs.c.job, runs.c.slot_ms).in_(chunk))
+            if lock:
+                query = query.with_for_update()
+            for row in conn.execute(query):
+                key = (row.job, int(row.slot_ms))
+                if key not in found or int(row.token) > int(found[key].token):
+                    found[key] = row
+        return found
+
     def _current_record(self, conn: Connection, job: str, slot_ms: int) -> Any:
         runs = self._tables.runs
         query = (
@@ -762,6 +846,86 @@ class SQLBackend(Backend):
                 # same values in the same millisecond changes none.
                 changed = len(conn.execute(sa.select(runs.c.token).where(*fenced)).all())
         return changed == 1
+
+    def mark_many(
+        self,
+        claims: Sequence[Claim],
+        state: State,
+        *,
+        task_ids: Sequence[str | None] | None = None,
+    ) -> list[bool]:
+        """:meth:`mark` for many claims in one transaction: one ``SELECT ..
+        FOR UPDATE`` of the records ``(job, slot_ms, token)`` of the claims
+        (per :data:`INSERT_CHUNK`) decides which may move (token present,
+        state one it may move from), then one fenced ``UPDATE`` sent with
+        ``executemany`` moves them (the rows are locked, so none changes in
+        between; SQLite's write transaction is exclusive).
+
+        Returns:
+            one answer per claim, in order (see :meth:`mark`).
+        Raises:
+            ValueError: ``task_ids`` is not as long as ``claims``; ``state``
+                is ``missed``, ``skipped`` or ``superseded``.
+            BackendUnavailable: no answer; nothing was written.
+        """
+        ids = [None] * len(claims) if task_ids is None else list(task_ids)
+        if len(ids) != len(claims):
+            raise ValueError(f"{len(ids)} task ids for {len(claims)} claims")
+        state = State(state)
+        if state in (State.MISSED, State.SKIPPED, State.SUPERSEDED):
+            raise ValueError(f"mark() cannot record {state.value!r}; see record_if_absent()")
+        asked = {
+            (key_of(c.job), c.slot_ms, c.token): i
+            for i, c in enumerate(claims)
+            if state is not State.CLAIMED and c.won and isinstance(c.token, int)
+        }
+        answers = [False] * len(claims)
+        if not asked:
+            return answers
+        runs = self._tables.runs
+        movable = {s.value for s in _MOVES_FROM[state]}
+        with self._write("mark") as conn:
+            keys = sorted(asked)
+            rows: list[Any] = []
+            for start in range(0, len(keys), INSERT_CHUNK):
+                chunk = keys[start : start + INSERT_CHUNK]
+                where = sa.tuple_(runs.c.job, runs.c.slot_ms, runs.c.token).in_(chunk)
+                query = sa.select(runs.c.job, runs.c.slot_ms, runs.c.token, runs.c.state)
+                rows.extend(conn.execute(query.where(where).with_for_update()))
+            moving = sorted(
+                (row.job, int(row.slot_ms), int(row.token)) for row in rows if row.state in movable
+            )
+            if not moving:
+                return answers
+            values = self._mark_values(state, None, None)
+            values["task_id"] = sa.func.coalesce(
+                sa.bindparam("m_task", type_=sa.Text), runs.c.task_id
+            )
+            update = (
+                sa.update(runs)
+                .where(
+                    runs.c.job == sa.bindparam("m_job"),
+                    runs.c.slot_ms == sa.bindparam("m_slot"),
+                    runs.c.token == sa.bindparam("m_token"),
+                    sa.or_(*(runs.c.state == value for value in sorted(movable))),
+                )
+                .values(values)
+            )
+            params = []
+            for key in moving:
+                i = asked[key]
+                task_id = ids[i]
+                params.append(
+                    {
+                        "m_job": key[0],
+                        "m_slot": key[1],
+                        "m_token": key[2],
+                        "m_task": None if task_id is None else _clean(task_id),
+                    }
+                )
+                answers[i] = True
+            conn.execute(update, params)
+        return answers
 
     def _mark_values(self, state: State, task_id: str | None, error: str | None) -> dict[str, Any]:
         runs = self._tables.runs
