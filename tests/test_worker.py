@@ -457,9 +457,21 @@ def unacked(worker: Worker, claim: Claim) -> list[str]:
 def lone_worker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]:
     """A Redis-backed worker of the test's own (it gets killed), whose
     broker redelivers unacked messages after 3 s."""
+    yield from _lone_worker(request, tmp_path, "redis")
+
+
+@pytest.fixture
+def lone_sqlite_worker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]:
+    """As :func:`lone_worker`, on a SQLite claim backend."""
+    yield from _lone_worker(request, tmp_path, "sqlite")
+
+
+def _lone_worker(
+    request: pytest.FixtureRequest, tmp_path: Path, backend_name: str
+) -> Iterator[Harness]:
     require_service("redis")
     request.getfixturevalue("_redis_cleanup")
-    url, options = backend_for_test("redis", tmp_path)
+    url, options = backend_for_test(backend_name, tmp_path)
     worker = Worker(url, tmp_path, prefix=options, visibility_timeout=3)
     backend = backend_from_url(url, instance="test-scheduler", options=options)
     backend.open()
@@ -580,6 +592,33 @@ def test_overlap_skip_is_not_blocked_by_a_run_whose_message_expired(
         reader.close()
         with Connection(BROKER) as conn:
             conn.default_channel.queue_delete(cluster.queue)
+
+
+def test_a_pool_process_forked_after_the_main_process_recorded_a_death_works(
+    lone_sqlite_worker: Harness,
+) -> None:
+    """SQLite: the worker's main process records a pool process's death
+    (kill -9) on the shared file, then forks a replacement; runs on the
+    replacement are gated and recorded as usual (the main process closes
+    its client after use, so nothing open is inherited; this passed here
+    without that close too: it guards the fork path, not the close)."""
+    harness = lone_sqlite_worker
+    _, claim = harness.claim(new_job())
+    path = harness.path()
+    harness.send(claim, "itest.sleep", 30, path)
+    [[_, killed, _]] = wait_for_lines(path, 1)
+    os.kill(int(killed), signal.SIGKILL)
+    assert harness.wait_state(claim, FINISHED).state is State.FAILED
+    after = harness.path()
+    claims = [harness.claim(new_job())[1] for _ in range(4)]
+    for each in claims:
+        harness.send(each, "itest.sleep", 0.5, after)
+    for each in claims:
+        assert harness.wait_state(each, FINISHED).state is State.SUCCEEDED
+    pids = {pid for _, pid, _ in lines(after)}
+    assert len(pids) == 2 and killed not in pids, pids  # the survivor and the replacement
+    log = harness.worker.log.read_text(errors="replace")
+    assert "unchecked" not in log and "could not record" not in log
 
 
 # -- without a worker ----------------------------------------------------------
