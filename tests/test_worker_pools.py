@@ -127,3 +127,15 @@ def test_green_pool_duplicate_delivery_leaves_the_running_original_alone(
     pool_harness: Harness,
 ) -> None:
     check_duplicate_leaves_the_running_original_alone(pool_harness)
+
+
+def test_threads_retry_is_the_same_run_again(threads_harness: Harness) -> None:
+    """``self.retry()`` in a threads pool: the retried delivery (same task
+    id) owns its own run; the first attempt's retry and postrun handling
+    finish only the first attempt's, so the retry is recorded to the end."""
+    _, claim = threads_harness.claim(new_job())
+    path = threads_harness.path()
+    threads_harness.send(claim, "itest.retry_once", path)
+    done = threads_harness.wait_state(claim, FINISHED)
+    assert done.state is State.SUCCEEDED
+    assert [run[0] for run in lines(path)] == ["attempt-0", "attempt-1"]
