@@ -39,7 +39,7 @@ import json
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone, tzinfo
 from typing import Any, NoReturn, TypeVar
 from zoneinfo import ZoneInfo
@@ -579,6 +579,13 @@ def status(ctx: click.Context, as_json: bool) -> None:
         )
         if backend.supports_leases:
             live = control.instances()
+            if len({info.fingerprint for info in live}) > 1:
+                # Schedules differ: read each instance's definitions (kept
+                # apart from the heartbeats) to name the jobs that differ.
+                live = [
+                    replace(info, jobs=info.jobs or control.definitions(info.instance))
+                    for info in live
+                ]
             now_ms = probe.backend_now_ms or backend.now_ms()
             _check_instances(report, live, now_ms)
         else:

@@ -184,6 +184,11 @@ class Control:
         """The live scheduler instances (lease backends keep a registry)."""
         return self._open().instances()
 
+    def definitions(self, instance: str) -> dict[str, str]:
+        """The per-job definition hashes a live instance stored in the
+        registry, ``{job: hash}`` (empty when none)."""
+        return self._open().definitions(instance)
+
     def close(self) -> None:
         """Close the backend connection. Safe to call twice."""
         self.backend.close()

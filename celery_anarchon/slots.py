@@ -225,8 +225,11 @@ class CronSlots:
             hash_id=hash_id,
             max_years_between_matches=_MAX_YEARS,
         )
+        #: croniter's expanded fields (minute, hour, day-of-month, month,
+        #: day-of-week, then seconds and year when given).
+        self.expanded: list[list[Any]] = self._iter.expanded
         #: hour field ``*`` (croniter folds ``0-23`` and ``*/1`` into ``*``).
-        self.every_hour = self._iter.expanded[1] == ["*"]
+        self.every_hour = self.expanded[1] == ["*"]
         self._lock = threading.Lock()
 
     def describe(self) -> str:
@@ -609,7 +612,14 @@ def _build(schedule: object, job: str, tz: tzinfo, anchor_ms: int) -> Slots:
     )
 
 
-def slots_for(schedule: object, *, job: str, tz: tzinfo, anchor_ms: int = 0) -> Slots:
+def slots_for(
+    schedule: object,
+    *,
+    job: str,
+    tz: tzinfo,
+    anchor_ms: int = 0,
+    shared: dict[Any, Slots] | None = None,
+) -> Slots:
     """The slots of a ``beat_schedule`` entry's schedule.
 
     Args:
@@ -623,6 +633,10 @@ def slots_for(schedule: object, *, job: str, tz: tzinfo, anchor_ms: int = 0) -> 
             ``tz`` set on the crontab, ``cron(tz=...)``).
         anchor_ms: one slot of an interval series, epoch milliseconds (UTC);
             other kinds ignore it.
+        shared: a dict kept across the calls for one schedule (the jobs of
+            an app): cron schedules of the same expression, meaning and zone
+            (and job name, where ``H`` or a name makes it matter) get one
+            :class:`CronSlots` object, built and checked once.
 
     Returns:
         The job's :class:`Slots`; keep it, it caches its cron parser.
@@ -633,15 +647,63 @@ def slots_for(schedule: object, *, job: str, tz: tzinfo, anchor_ms: int = 0) -> 
             *``), an interval of zero or less, a naive datetime, an unknown
             zone or schedule type, solar without ``ephem``.
     """
+    key = _share_key(schedule, job, tz) if shared is not None else None
+    if key is not None and shared is not None and key in shared:
+        return shared[key]
     slots = _build(schedule, job, tz, anchor_ms)
-    if isinstance(slots, CronSlots) and slots.next_after(anchor_ms) is None:
+    if (
+        isinstance(slots, CronSlots)
+        and not _surely_matches(slots)
+        and slots.next_after(anchor_ms) is None
+    ):
         raise _config_error(
             job,
             f"{slots.kind} '{slots.expr}' never matches a date "
             f"(croniter finds none within {_MAX_YEARS} years)",
             "check the day-of-month and month fields, e.g. 31 in February",
         )
+    if key is not None and shared is not None:
+        shared[key] = slots
     return slots
+
+
+def _share_key(schedule: object, job: str, tz: tzinfo) -> tuple[Any, ...] | None:
+    """What decides a cron schedule's slots, as a dict key (None for other
+    kinds: they are cheap to build). The job name is part of it when the
+    expression has an ``h`` in a field (``H`` is hashed from the name;
+    names such as ``thu`` are kept apart too, to be safe)."""
+    if isinstance(schedule, cron):
+        expr: str = schedule.expr
+        zone: object = _zone_name_of(schedule.zone) if schedule.zone is not None else tz
+        kind = "cron"
+    elif isinstance(schedule, str):
+        expr, zone, kind = " ".join(schedule.split()), tz, "cron"
+    elif isinstance(schedule, schedules.crontab):
+        own = vars(schedule).get("tz")
+        expr, zone, kind = _crontab_expr(schedule), tz if own is None else own, "crontab"
+    else:
+        return None
+    key = (kind, expr, zone, job if "h" in expr.lower() else None)
+    try:
+        hash(key)
+    except TypeError:  # a zone object that cannot be a key: no sharing
+        return None
+    return key
+
+
+def _surely_matches(slots: CronSlots) -> bool:
+    """Whether the expression matches some date for sure, read from its
+    fields alone (no year field, and a day-of-month field that is ``*`` or
+    holds a day every month has), so the check by computing a slot from the
+    anchor is needed only for the rest (``0 0 31 2 *``, year fields, ``L``,
+    ``W``)."""
+    expanded = slots.expanded
+    if len(expanded) > 6:
+        return False
+    days = expanded[2]
+    if days == ["*"]:
+        return True
+    return all(isinstance(day, int) for day in days) and min(days) <= 28
 
 
 def first_slot(slots: Slots, now_ms: int, max_late_ms: int) -> int | None:

@@ -719,7 +719,8 @@ def test_registry_lists_live_instances_and_prunes_dead_ones(
     time.sleep(0.05)
     live = backend.instances()
     assert [i.instance for i in live] == ["a", "b"]
-    assert live[1].jobs == {"j": "h"} and live[1].heartbeat_ms >= now
+    assert live[1].jobs == {} and live[1].heartbeat_ms >= now  # heartbeats carry none
+    assert backend.definitions("b") == {"j": "h"}
     backend.register(InstanceInfo("a", "host1", 1, "0.1", now - 10), 60_000)  # prunes
     assert sorted(raw.zrange(f"{{{backend.prefix}}}:instances", 0, -1)) == ["a", "b"]
     backend.unregister("a")
@@ -934,3 +935,31 @@ def test_redis_cluster_client(own_redis: Callable[..., RedisProcess]) -> None:
         backend.open()  # every primary is checked
     backend.close()
     client.close()
+
+
+def test_trim_is_amortised_within_a_tenth_of_history_size(
+    make: Callable[..., RedisBackend],
+) -> None:
+    backend, job = make(), job_name()
+    now = backend.now_ms()
+    sizes = []
+    for i in range(45):
+        slot = now - 50_000 + i * 1000
+        assert backend.claim([request(job, slot, keep_until_ms=slot + 1, history_size=20)])[0].won
+        sizes.append(len(backend.history(job)))
+    # never more than history_size + slack (2), trimmed back to history_size
+    assert max(sizes) == 22
+    assert sizes[:22] == list(range(1, 23)) and sizes[22] == 20
+    assert [r.slot_ms for r in backend.history(job, limit=1)] == [now - 50_000 + 44_000]
+
+
+def test_history_expiry_moves_in_steps(make: Callable[..., RedisBackend], raw: redis.Redis) -> None:
+    backend, job = make(), job_name()
+    now = backend.now_ms()
+    ttl = ClaimRequest(job, now, 0, 0, 0).history_ttl_ms
+    keys = [f"{{{backend.prefix}{job}}}:runs", f"{{{backend.prefix}{job}}}:index"]
+    assert backend.claim([request(job, now - 2000)])[0].won
+    first = [raw.pexpiretime(k) for k in keys]
+    assert first == [now - 2000 + ttl + ttl // 10] * 2  # a tenth of headroom
+    assert backend.claim([request(job, now - 1000)])[0].won
+    assert [raw.pexpiretime(k) for k in keys] == first  # long enough: not written

@@ -8,11 +8,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
 from celery_anarchon.backends import backend_from_url
-from celery_anarchon.backends.base import Backend, Claim, ClaimRequest, State
+from celery_anarchon.backends.base import Backend, Claim, ClaimRequest, InstanceInfo, State
 from celery_anarchon.exceptions import BackendUnavailable, ConfigurationError
 
 from .conftest import BackendFactory
@@ -273,6 +274,44 @@ def test_last_run_is_the_newest_sent_run(backend: Backend, job: str) -> None:
     backend.claim([request_for(backend, job, new)])  # claimed, never sent
     last = backend.last_run(job)
     assert last is not None and last.slot_ms == old and last.task_id == "sent-one"
+
+
+def test_last_slots_reads_each_jobs_newest_scheduled_slot(backend: Backend, job: str) -> None:
+    old, new = slots_from(backend, 2)
+    backend.claim([request_for(backend, job, old), request_for(backend, job, new)])
+    backend.claim([request_for(backend, f"{job}-b", old)])
+    backend.claim_manual(job, "k", new + 120_000)  # a newer manual run does not count
+    names = [job, f"{job}-b", f"{job}-none"]
+    assert backend.last_slots(names) == {job: new, f"{job}-b": old}
+    assert backend.last_slots([]) == {}
+
+
+# -- instance registry -------------------------------------------------------
+
+
+def test_registry_keeps_definitions_apart_from_heartbeats(backend: Backend, job: str) -> None:
+    lease_only(backend)
+    name = f"{job}-instance"
+    info = InstanceInfo(
+        name, "h", 1, "1.0", backend.now_ms(), fingerprint="f1", jobs={"a": "x", "b": "y"}
+    )
+    beat = replace(info, jobs={})
+    assert backend.register(info, 60_000)
+    assert backend.register(beat, 60_000)  # stored before: kept
+    [listed] = [i for i in backend.instances() if i.instance == name]
+    assert (listed.fingerprint, listed.jobs) == ("f1", {})
+    assert backend.definitions(name) == {"a": "x", "b": "y"}
+    # another schedule: its heartbeat is told to send the definitions
+    assert not backend.register(replace(beat, fingerprint="f2"), 60_000)
+    assert backend.register(replace(info, fingerprint="f2", jobs={"a": "z"}), 60_000)
+    assert backend.definitions(name) == {"a": "z"}
+    backend.unregister(name)
+    assert backend.definitions(name) == {}
+    # an entry that expired loses its definitions with it
+    assert backend.register(info, 1)
+    time.sleep(0.05)
+    assert not backend.register(beat, 60_000)
+    backend.unregister(name)
 
 
 # -- run_now ---------------------------------------------------------------

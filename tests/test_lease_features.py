@@ -5,6 +5,7 @@ judge claim windows and leases by their own clocks) and move by hand."""
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections import Counter
@@ -16,7 +17,7 @@ from celery import Celery
 from kombu import Connection
 
 from celery_anarchon.backends import backend_from_url
-from celery_anarchon.backends.base import Backend, ClaimRequest, State
+from celery_anarchon.backends.base import Backend, ClaimRequest, InstanceInfo, State
 from celery_anarchon.scheduler import Scheduler
 
 from .conftest import backend_options, backend_url, require_service
@@ -299,3 +300,81 @@ def test_rendezvous_spreads_a_burst_across_instances(url: str) -> None:
     finally:
         for s in schedulers:
             s.close()
+
+
+# -- registry: a lone instance, definition drift ------------------------------
+
+
+def test_a_lone_instance_claims_at_the_slot(url: str) -> None:
+    now = int(time.time())
+    slot = now + 2
+    schedule = {
+        f"j{i}": {"task": "t.j", "schedule": 3600.0, "anarchon": {"anchor": slot}}
+        for i in range(20)
+    }
+    app = make_app(url, schedule, anarchon_jitter=2)
+    clock = Clock(float(now))
+    alone = Scheduler(app, clock=clock)
+    others: list[Scheduler] = []
+    try:
+        alone._random.randint = lambda low, high: high  # type: ignore[method-assign]
+        alone.tick()  # the first heartbeat: the registry shows this instance alone
+        assert alone._peers == [alone.instance_id]
+        clock.now = slot
+        alone.tick()  # claims at the slot, not after a random part of the jitter
+        assert sorted(sent_slots(app)) == sorted((f"j{i}", slot * 1000) for i in range(20))
+        # With a second instance, the preferred owner claims at once, the backup
+        # after the jitter.
+        others.append(Scheduler(app, clock=clock))
+        others[0].tick()
+        alone._next_heartbeat = 0
+        alone.tick()
+        assert len(alone._peers) == 2
+        next_slot = (slot + 3600) * 1000
+        delays = {alone._claim_delay_ms(alone.jobs[f"j{i}"], next_slot) for i in range(20)}
+        assert delays == {0, 2000}
+    finally:
+        for s in [alone, *others]:
+            s.close()
+
+
+def test_drift_is_warned_once_and_definitions_are_read_once(
+    url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def schedule(changed: float) -> dict[str, Any]:
+        return {
+            "same": {"task": "t.same", "schedule": 3600.0},
+            "changed": {"task": "t.changed", "schedule": changed},
+        }
+
+    caplog.set_level(logging.WARNING, logger="celery_anarchon.scheduler")
+    clock = Clock(float(int(time.time())))
+    a = Scheduler(make_app(url, schedule(3600.0)), clock=clock)
+    b = Scheduler(make_app(url, schedule(1800.0)), clock=clock)
+    try:
+        assert a.backend is not None
+        read: list[str] = []
+        sent_jobs: list[int] = []
+        definitions, register = a.backend.definitions, a.backend.register
+
+        def spy_definitions(instance: str) -> dict[str, str]:
+            read.append(instance)
+            return definitions(instance)
+
+        def spy_register(info: InstanceInfo, ttl_ms: int) -> bool:
+            sent_jobs.append(len(info.jobs))
+            return register(info, ttl_ms)
+
+        monkeypatch.setattr(a.backend, "definitions", spy_definitions)
+        monkeypatch.setattr(a.backend, "register", spy_register)
+        b.tick()
+        for _ in range(3):
+            a._next_heartbeat = 0
+            a.tick()
+        assert read == [b.instance_id]  # once, though three heartbeats saw b
+        assert sent_jobs == [2, 0, 0]  # definitions with the first heartbeat only
+        warned = [r.getMessage() for r in caplog.records if "defined differently" in r.getMessage()]
+        assert len(warned) == 1 and "job changed" in warned[0] and b.instance_id in warned[0]
+    finally:
+        a.close()
+        b.close()

@@ -190,7 +190,10 @@ class InstanceInfo:
         heartbeat_ms: last heartbeat, epoch milliseconds (backend clock: the
             backend sets it when it writes the heartbeat).
         fingerprint: hash of the instance's schedule definitions.
-        jobs: per-job definition hashes, ``{job: hash}``.
+        jobs: per-job definition hashes, ``{job: hash}``: given to
+            :meth:`Backend.register` to store them; empty in what
+            :meth:`Backend.instances` returns (see
+            :meth:`Backend.definitions`).
         clock_ms: the instance's own clock when it sent that heartbeat,
             epoch milliseconds, or None (older versions). The instance's
             clock offset from the backend's is ``clock_ms - heartbeat_ms``,
@@ -507,18 +510,71 @@ class Backend(abc.ABC):
             BackendUnavailable: no answer.
         """
 
+    def last_slots(self, jobs: Sequence[str]) -> dict[str, int]:
+        """``job -> newest scheduled slot with a record`` (epoch ms) for each
+        of ``jobs`` that has one (manual runs are not counted), read in as
+        few round trips as the backend allows: the scheduler reads it once
+        at start-up for every job.
+
+        The default reads each job's newest ten records (:meth:`history`);
+        backends override it with one pipeline or a grouped query.
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        found: dict[str, int] = {}
+        for job in jobs:
+            for record in self.history(job, limit=10):
+                if record.manual_key is None:
+                    found[job] = record.slot_ms
+                    break
+        return found
+
     # -- instance registry (lease backends; claim-only backends keep none) --
 
-    def register(self, info: InstanceInfo, ttl_ms: int) -> None:  # noqa: B027
+    def register(self, info: InstanceInfo, ttl_ms: int) -> bool:
         """Add or refresh this instance in the registry; it drops out
-        ``ttl_ms`` after its last call unless refreshed."""
+        ``ttl_ms`` after its last call unless refreshed.
+
+        The heartbeat carries the schedule's fingerprint, not its
+        definitions: ``info.jobs``, when not empty, is stored as this
+        instance's definitions (under a key or row of its own, kept as long
+        as the instance is registered) and replaces the ones stored before;
+        when empty, the stored definitions are kept as they are. So an
+        instance sends its definitions once per schedule, not at every
+        heartbeat.
+
+        Returns:
+            True when, after this call, the registry holds definitions of
+            this instance for ``info.fingerprint`` (or keeps none: claim-only
+            backends); False when the caller should send ``info.jobs`` (its
+            entry had expired, or was made with another fingerprint).
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        return True
 
     def unregister(self, instance: str) -> None:  # noqa: B027
         """Remove an instance from the registry (graceful shutdown)."""
 
     def instances(self) -> list[InstanceInfo]:
-        """The live instances, oldest start first (empty when not kept)."""
+        """The live instances, oldest start first (empty when not kept).
+
+        Each carries its fingerprint; ``jobs`` is left empty: read an
+        instance's definitions with :meth:`definitions`, only when its
+        fingerprint differs from yours.
+        """
         return []
+
+    def definitions(self, instance: str) -> dict[str, str]:
+        """The per-job definition hashes ``{job: hash}`` that a live
+        ``instance`` stored with :meth:`register` (empty when none are
+        kept).
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        return {}
 
     def describe(self) -> str:
         """The backend for logs and banners, credentials masked."""

@@ -67,15 +67,22 @@ MANUAL_LEASE_MS = 60_000
 MIN_REDIS = (6, 2)
 #: Default Sentinel port.
 SENTINEL_PORT = 26379
+#: Jobs per pipeline when reading the last slots at start-up.
+LAST_SLOTS_CHUNK = 1000
 
 # Helpers shared by the scripts below (prepended to each).
 #   now_ms()                 server clock (TIME), epoch ms
 #   int(x)                   a number as a decimal string without exponent
-#   keep_key_until(k, t, n)  make key k live at least until t (never shortens)
+#   keep_key_until(k, t, n, m)  make key k live at least until t (never
+#       shortens); when it must move, it moves to t + m (m ms of headroom,
+#       default 0), so the writes that follow find it long enough
 #   put_run(runs, index, member, score, run)   write one history record
-#   trim(runs, index, size, ttl, now)  drop records older than ttl (by slot)
-#       and the oldest beyond size, but never one whose keep_until_ms is
-#       still ahead: that record guards its slot together with the claim key.
+#   trim(runs, index, size, ttl, now)  once the history holds more than
+#       size + slack records (slack: a tenth of size, at least 1), or its
+#       oldest is older than ttl (by slot): drop records older than ttl and
+#       the oldest beyond size, but never one whose keep_until_ms is still
+#       ahead: that record guards its slot together with the claim key.
+#       Amortised: most writes only count the records and read the oldest.
 #   set_guard(k, v, t, n)    set claim key k to v, expiring at t (or later,
 #       if it already expires later); deleted when t is not ahead of now
 #   outside_window(slot, now, before, after)   the claim window test
@@ -89,11 +96,11 @@ local function int(x)
     return string.format('%d', x)
 end
 
-local function keep_key_until(key, until_ms, now)
+local function keep_key_until(key, until_ms, now, headroom)
     until_ms = math.max(until_ms, now + 1)
     local pttl = redis.call('PTTL', key)
     if pttl == -1 or (pttl >= 0 and now + pttl < until_ms) then
-        redis.call('PEXPIREAT', key, int(until_ms))
+        redis.call('PEXPIREAT', key, int(until_ms + (headroom or 0)))
     end
 end
 
@@ -103,8 +110,15 @@ local function put_run(runs, index, member, score, run)
 end
 
 local function trim(runs, index, size, ttl, now)
+    local count = redis.call('ZCARD', index)
+    if count <= size + math.max(1, math.floor(size / 10)) then
+        local oldest = redis.call('ZRANGE', index, 0, 0, 'WITHSCORES')
+        if oldest[2] == nil or tonumber(oldest[2]) >= now - ttl then
+            return
+        end
+    end
     local doomed = redis.call('ZRANGEBYSCORE', index, '-inf', '(' .. int(now - ttl))
-    local excess = redis.call('ZCARD', index) - size
+    local excess = count - size
     if excess > 0 then
         for _, member in ipairs(redis.call('ZRANGE', index, 0, excess - 1)) do
             doomed[#doomed + 1] = member
@@ -175,8 +189,9 @@ put_run(KEYS[2], KEYS[3], ARGV[1], ARGV[1], {
     keep_until_ms = keep_until})
 local ttl = tonumber(ARGV[8])
 trim(KEYS[2], KEYS[3], tonumber(ARGV[7]), ttl, now)
-keep_key_until(KEYS[2], math.max(slot + ttl, keep_until), now)
-keep_key_until(KEYS[3], math.max(slot + ttl, keep_until), now)
+local headroom = math.floor(ttl / 10)
+keep_key_until(KEYS[2], math.max(slot + ttl, keep_until), now, headroom)
+keep_key_until(KEYS[3], math.max(slot + ttl, keep_until), now, headroom)
 return token
 """
 
@@ -455,22 +470,52 @@ end
 return 1
 """
 
-# Add or refresh an instance in the registry; prune dead ones.
+# Add or refresh an instance in the registry; prune dead ones. The
+# definitions live in the instance hash's own fields ('jobs', and the
+# fingerprint they belong to in 'jobs_fingerprint'), written only when given.
 # KEYS[1] - instance hash    {P}:instance:<id>
 # KEYS[2] - registry index   {P}:instances
 # ARGV[1] - instance id
-# ARGV[2] - the InstanceInfo as JSON (heartbeat_ms set here)
+# ARGV[2] - the InstanceInfo as JSON without its jobs (heartbeat_ms set here)
 # ARGV[3] - ttl_ms
-# return the heartbeat (server now, epoch ms)
+# ARGV[4] - the schedule fingerprint
+# ARGV[5] - the definitions as JSON, or '' to keep the stored ones
+# return {heartbeat (server now, epoch ms), 1 when the hash holds definitions
+# for ARGV[4] else 0}
 LUA_REGISTER_SCRIPT = """
 local now = now_ms()
 local ttl = tonumber(ARGV[3])
 redis.call('HSET', KEYS[1], 'info', ARGV[2], 'heartbeat_ms', int(now))
+if ARGV[5] ~= '' then
+    redis.call('HSET', KEYS[1], 'jobs', ARGV[5], 'jobs_fingerprint', ARGV[4])
+end
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 redis.call('ZADD', KEYS[2], int(now + ttl), ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. int(now))
 keep_key_until(KEYS[2], now + ttl, now)
-return now
+local stored = 0
+if redis.call('HGET', KEYS[1], 'jobs_fingerprint') == ARGV[4] then
+    stored = 1
+end
+return {now, stored}
+"""
+
+# The newest scheduled slot with a record (manual runs left out).
+# KEYS[1] - history records  {PJ}:runs
+# KEYS[2] - history index    {PJ}:index
+# return the slot (epoch ms), or -1 when none of the newest ten records is
+# a scheduled run
+LUA_LAST_SLOT_SCRIPT = """
+for _, member in ipairs(redis.call('ZREVRANGE', KEYS[2], 0, 9)) do
+    local raw = redis.call('HGET', KEYS[1], member)
+    if raw then
+        local run = cjson.decode(raw)
+        if not run.manual_key and run.slot_ms then
+            return run.slot_ms
+        end
+    end
+end
+return -1
 """
 
 
@@ -499,8 +544,21 @@ RELEASE = _script("release", LUA_RELEASE_SCRIPT)
 MANUAL = _script("claim_manual", LUA_MANUAL_SCRIPT)
 HISTORY = _script("history", LUA_HISTORY_SCRIPT)
 REGISTER = _script("register", LUA_REGISTER_SCRIPT)
+LAST_SLOT = _script("last_slot", LUA_LAST_SLOT_SCRIPT)
 HOLDING = _script("holding", LUA_HOLDING_SCRIPT)
-SCRIPTS = (CLAIM, TAKE_OVER, MARK, EXTEND, RECORD, RELEASE, MANUAL, HISTORY, REGISTER, HOLDING)
+SCRIPTS = (
+    CLAIM,
+    TAKE_OVER,
+    MARK,
+    EXTEND,
+    RECORD,
+    RELEASE,
+    MANUAL,
+    HISTORY,
+    REGISTER,
+    HOLDING,
+    LAST_SLOT,
+)
 
 #: The history timestamp each state sets.
 _STAMP = {
@@ -546,8 +604,13 @@ class RedisBackend(Backend):
       manual key lives (until ``keep_until_ms``);
     * nothing grows without bound: claim and manual keys expire; history is
       trimmed to ``history_size`` and ``history_ttl_ms`` inside the writing
-      scripts, and the history keys themselves expire when their newest
-      record would be trimmed by age; registry entries expire after ``ttl_ms``.
+      scripts, amortised: a job's history is trimmed back to
+      ``history_size`` once it holds more than ``history_size`` plus a
+      tenth (at least one record more), or a record older than
+      ``history_ttl_ms``; the history keys themselves expire when their
+      newest record would be trimmed by age (a claim moves their expiry in
+      steps of a tenth of ``history_ttl_ms``, so they may live that much
+      longer); registry entries expire after ``ttl_ms``.
 
     Needs Redis 6.2 or later (:meth:`open` checks). Limits (DESIGN section
     4): a Redis without persistence, or a Sentinel
@@ -969,20 +1032,57 @@ class RedisBackend(Backend):
         raw = self._call((HISTORY, [f"{tag}:runs", f"{tag}:index"], [limit or 0]))
         return [record for record in (_record_or_none(job, item) for item in raw) if record]
 
+    def last_slots(self, jobs: Sequence[str]) -> dict[str, int]:
+        """``job -> newest scheduled slot with a record`` for each of
+        ``jobs`` that has one: :data:`LUA_LAST_SLOT_SCRIPT` per job, in
+        pipelines of :data:`LAST_SLOTS_CHUNK` calls (see
+        :meth:`Backend.last_slots`).
+
+        Raises:
+            BackendUnavailable: no answer, or an error reply.
+        """
+        names = list(jobs)
+        found: dict[str, int] = {}
+        for start in range(0, len(names), LAST_SLOTS_CHUNK):
+            chunk = names[start : start + LAST_SLOTS_CHUNK]
+            calls: list[_Call] = [
+                (LAST_SLOT, [self._runs_key(job), f"{self._tag(job)}:index"], []) for job in chunk
+            ]
+            for job, reply in zip(chunk, self._run(calls), strict=True):
+                if isinstance(reply, Exception):
+                    raise self._unavailable("last_slots", reply) from reply
+                if int(reply) >= 0:
+                    found[job] = int(reply)
+        return found
+
     # -- instance registry ---------------------------------------------------
 
-    def register(self, info: InstanceInfo, ttl_ms: int) -> None:
+    def register(self, info: InstanceInfo, ttl_ms: int) -> bool:
         """Add or refresh ``info`` with :data:`LUA_REGISTER_SCRIPT`; its
         ``heartbeat_ms`` becomes the server's now and it drops out ``ttl_ms``
-        after this call unless refreshed.
+        after this call unless refreshed. ``info.jobs``, when not empty, is
+        stored in the instance hash's ``jobs`` field (see
+        :meth:`Backend.register`).
 
+        Returns:
+            True when the instance hash holds definitions for
+            ``info.fingerprint``.
         Raises:
             BackendUnavailable: no answer.
         """
         fields = asdict(info)
         fields.pop("heartbeat_ms")
+        jobs = fields.pop("jobs")
         keys = [self._instance_key(info.instance), self._registry_key()]
-        self._call((REGISTER, keys, [info.instance, json.dumps(fields), ttl_ms]))
+        args = [
+            info.instance,
+            json.dumps(fields),
+            ttl_ms,
+            info.fingerprint,
+            json.dumps(jobs) if jobs else "",
+        ]
+        _, stored = self._call((REGISTER, keys, args))
+        return bool(stored)
 
     def unregister(self, instance: str) -> None:
         """Remove ``instance`` from the registry (graceful shutdown).
@@ -1015,6 +1115,17 @@ class RedisBackend(Backend):
             _instance(info, beat) for info, beat in found if info is not None and beat is not None
         ]
         return sorted(infos, key=lambda i: (i.started_ms, i.instance))
+
+    def definitions(self, instance: str) -> dict[str, str]:
+        """The definitions ``instance`` stored with :meth:`register`
+        (``HGET`` of its hash's ``jobs`` field), empty when none.
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        with self._translated("definitions"):
+            raw = self._require_client().hget(self._instance_key(instance), "jobs")
+        return dict(json.loads(raw)) if raw else {}
 
     # -- keys ----------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """SQL lease backend: SQLite, PostgreSQL and MySQL/MariaDB through SQLAlchemy Core.
 
-Four tables, named with the ``prefix`` option (default ``anarchon_``):
+Five tables, named with the ``prefix`` option (default ``anarchon_``):
 
 =====================  ============================  ==========================================
 table                  primary key                   holds
@@ -10,6 +10,8 @@ table                  primary key                   holds
                                                      task id, error, manual key
 ``<prefix>manual``     ``(job, manual_key)``         the slot each ``run_now`` key went to
 ``<prefix>instances``  ``instance``                  the live-instance registry (heartbeats)
+``<prefix>schedules``  ``instance``                  each live instance's job definitions,
+                                                     written once per schedule
 ``<prefix>meta``       ``name``                      ``schema_version`` (:data:`SCHEMA_VERSION`)
 =====================  ============================  ==========================================
 
@@ -28,6 +30,7 @@ import logging
 import math
 import os
 import re
+import select
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -79,6 +82,11 @@ MANUAL_SLOT_TRIES = 100
 
 #: Most rows in one multi-row INSERT (well under SQLite's 32766 parameters).
 INSERT_CHUNK = 500
+
+#: A pooled connection idle for longer than this is pinged before use,
+#: seconds; one used more recently only has its socket checked for a close
+#: by the server (no round trip).
+PING_AFTER_IDLE_S = 1.0
 
 #: ``CLIENT_FOUND_ROWS``, bit 2 of the MySQL client capability flags
 #: (https://dev.mysql.com/doc/dev/mysql-server/latest/group__group__cs__capabilities__flags.html).
@@ -192,6 +200,7 @@ class _Tables:
     runs: sa.Table
     manual: sa.Table
     instances: sa.Table
+    schedules: sa.Table
     meta: sa.Table
 
 
@@ -240,6 +249,14 @@ def _tables(prefix: str) -> _Tables:
         _ms("expires_ms", nullable=False),
         **opts,
     )
+    schedules = sa.Table(
+        f"{prefix}schedules",
+        md,
+        sa.Column("instance", _Key(), primary_key=True),
+        sa.Column("fingerprint", sa.String(64), nullable=False),
+        sa.Column("jobs", sa.Text, nullable=False),
+        **opts,
+    )
     meta = sa.Table(
         f"{prefix}meta",
         md,
@@ -247,7 +264,7 @@ def _tables(prefix: str) -> _Tables:
         sa.Column("value", sa.String(255), nullable=False),
         **opts,
     )
-    return _Tables(md, runs, manual, instances, meta)
+    return _Tables(md, runs, manual, instances, schedules, meta)
 
 
 def _seconds(name: str, value: Any) -> float:
@@ -1112,25 +1129,54 @@ class SQLBackend(Backend):
 
     # -- instance registry ---------------------------------------------------
 
-    def register(self, info: InstanceInfo, ttl_ms: int) -> None:
-        """Add or refresh ``info`` (an upsert); its ``heartbeat_ms`` becomes
-        the database's now and it drops out ``ttl_ms`` milliseconds later
-        unless refreshed. Instances already expired are deleted.
+    def register(self, info: InstanceInfo, ttl_ms: int) -> bool:
+        """Add or refresh ``info`` (an upsert, without its jobs); its
+        ``heartbeat_ms`` becomes the database's now and it drops out
+        ``ttl_ms`` milliseconds later unless refreshed. Instances already
+        expired are deleted, with their definitions. ``info.jobs``, when not
+        empty, is upserted into ``<prefix>schedules`` (see
+        :meth:`Backend.register`).
 
+        Returns:
+            True when ``<prefix>schedules`` holds this instance's
+            definitions for ``info.fingerprint``.
         Raises:
             BackendUnavailable: no answer.
         """
-        table = self._tables.instances
+        table, schedules = self._tables.instances, self._tables.schedules
+        fields = asdict(info)
+        jobs = fields.pop("jobs")
+        instance = key_of(info.instance)
         with self._write("register") as conn:
             now = self._now(conn)
+            # Expired entries go first, with their definitions: an instance
+            # back after its entry expired is told to send them again.
+            conn.execute(sa.delete(table).where(table.c.expires_ms <= now))
+            live = sa.select(table.c.instance).where(table.c.instance == schedules.c.instance)
+            conn.execute(sa.delete(schedules).where(sa.not_(live.exists())))
             row = {
-                "instance": key_of(info.instance),
-                "info": json.dumps(asdict(info)),
+                "instance": instance,
+                "info": json.dumps(fields),
                 "heartbeat_ms": now,
                 "expires_ms": now + ttl_ms,
             }
             conn.execute(self._upsert(table, row))
-            conn.execute(sa.delete(table).where(table.c.expires_ms <= now))
+            if jobs:
+                conn.execute(
+                    self._upsert(
+                        schedules,
+                        {
+                            "instance": instance,
+                            "fingerprint": info.fingerprint,
+                            "jobs": json.dumps(jobs),
+                        },
+                    )
+                )
+                return True
+            stored = conn.execute(
+                sa.select(schedules.c.fingerprint).where(schedules.c.instance == instance)
+            ).scalar()
+        return stored == info.fingerprint
 
     def unregister(self, instance: str) -> None:
         """Remove ``instance`` from the registry.
@@ -1138,9 +1184,10 @@ class SQLBackend(Backend):
         Raises:
             BackendUnavailable: no answer.
         """
-        table = self._tables.instances
+        table, schedules = self._tables.instances, self._tables.schedules
         with self._write("unregister") as conn:
             conn.execute(sa.delete(table).where(table.c.instance == key_of(instance)))
+            conn.execute(sa.delete(schedules).where(schedules.c.instance == key_of(instance)))
 
     def instances(self) -> list[InstanceInfo]:
         """Instances whose registration has not expired by the database's
@@ -1160,6 +1207,48 @@ class SQLBackend(Backend):
             for info, beat in rows
         ]
         return sorted(found, key=lambda i: (i.started_ms, i.instance))
+
+    def definitions(self, instance: str) -> dict[str, str]:
+        """The definitions ``instance`` stored with :meth:`register` (its
+        ``<prefix>schedules`` row), empty when none.
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        schedules = self._tables.schedules
+        with self._read("read definitions") as conn:
+            raw = conn.execute(
+                sa.select(schedules.c.jobs).where(schedules.c.instance == key_of(instance))
+            ).scalar()
+        return dict(json.loads(raw)) if raw else {}
+
+    def last_slots(self, jobs: Sequence[str]) -> dict[str, int]:
+        """``job -> newest scheduled slot with a record`` for each of
+        ``jobs`` that has one: ``SELECT job, max(slot_ms) .. WHERE job IN
+        (..) AND manual_key IS NULL GROUP BY job``, one query per
+        :data:`INSERT_CHUNK` jobs (see :meth:`Backend.last_slots`).
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        runs = self._tables.runs
+        names = {key_of(job): job for job in jobs}
+        keys = list(names)
+        found: dict[str, int] = {}
+        with self._read("read last slots") as conn:
+            for start in range(0, len(keys), INSERT_CHUNK):
+                query = (
+                    sa.select(runs.c.job, sa.func.max(runs.c.slot_ms))
+                    .where(
+                        runs.c.job.in_(keys[start : start + INSERT_CHUNK]),
+                        runs.c.manual_key.is_(None),
+                    )
+                    .group_by(runs.c.job)
+                )
+                for job, slot in conn.execute(query):
+                    if job in names and slot is not None:
+                        found[names[job]] = int(slot)
+        return found
 
     # -- trimming ------------------------------------------------------------
 
@@ -1307,7 +1396,9 @@ class SQLBackend(Backend):
             )
 
     def _create_engine(self) -> Engine:
-        """An engine of our own: short timeouts, pre-ping, per-dialect setup."""
+        """An engine of our own: short timeouts, a ping before using a
+        connection that was idle (:func:`_check_on_checkout`), per-dialect
+        setup."""
         common: dict[str, Any] = {"pool_timeout": self.connect_timeout}
         if self.kind == "sqlite":
             engine = sa.create_engine(
@@ -1317,17 +1408,17 @@ class SQLBackend(Backend):
             sa.event.listen(engine, "begin", _sqlite_on_begin)
             return engine
         if self.kind == "postgresql":
-            return sa.create_engine(
-                self._url, pool_pre_ping=True, connect_args=self._postgres_args(), **common
-            )
+            engine = sa.create_engine(self._url, connect_args=self._postgres_args(), **common)
+            _check_on_checkout(engine)
+            return engine
         engine = sa.create_engine(
             self._url,
-            pool_pre_ping=True,
             isolation_level="READ COMMITTED",
             connect_args=self._mysql_args(),
             **common,
         )
         sa.event.listen(engine, "do_connect", _without_found_rows)
+        _check_on_checkout(engine)
         return engine
 
     def _postgres_args(self) -> dict[str, Any]:
@@ -1398,6 +1489,51 @@ class SQLBackend(Backend):
                 logger.info("anarchon: created tables %s* in %s", self.prefix, self.describe())
             query = sa.select(meta.c.value).where(meta.c.name == "schema_version")
             return int(conn.execute(query).scalar_one())
+
+
+def _check_on_checkout(engine: Engine) -> None:
+    """Check a pooled connection before use, as SQLAlchemy's
+    ``pool_pre_ping`` does, but with a round trip only after an idle spell:
+    a connection back in the pool for :data:`PING_AFTER_IDLE_S` or longer is
+    pinged; one used more recently only has its socket polled (no round
+    trip) for a close by the server. Either finding a dead connection raises
+    ``DisconnectionError``, on which the pool replaces it (SQLAlchemy's
+    "pessimistic disconnect handling")."""
+    dialect = engine.dialect
+
+    def checkin(_dbapi_connection: Any, record: Any) -> None:
+        record.info["anarchon_idle_since"] = time.monotonic()
+
+    def checkout(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+        since = record.info.get("anarchon_idle_since")
+        if since is None:  # just connected
+            return
+        try:
+            if time.monotonic() - since >= PING_AFTER_IDLE_S or _closed_by_server(dbapi_connection):
+                dialect.do_ping(dbapi_connection)
+        except Exception as exc:
+            raise sa.exc.DisconnectionError(f"connection found dead before use: {exc}") from exc
+
+    sa.event.listen(engine, "checkin", checkin)
+    sa.event.listen(engine, "checkout", checkout)
+
+
+def _closed_by_server(dbapi_connection: Any) -> bool:
+    """Whether an idle connection's socket is readable (the server closed
+    it, or sent something unasked): a ``select`` with no wait, no round
+    trip. True when the socket cannot be found (then the caller pings)."""
+    try:
+        if hasattr(dbapi_connection, "pgconn"):  # psycopg 3
+            fd = dbapi_connection.pgconn.socket
+        else:  # PyMySQL
+            sock = getattr(dbapi_connection, "_sock", None)
+            if sock is None:
+                return True
+            fd = sock.fileno()
+        readable, _, _ = select.select([fd], [], [], 0)
+    except Exception:  # a closed connection has no socket left
+        return True
+    return bool(readable)
 
 
 def _parse_url(url: str) -> URL:
