@@ -25,11 +25,17 @@ from typing import Any
 from ..beats import expected_slots
 from ..conftest import POSTGRES_URL, REDIS_URL, service_up
 from .campaign import Row, campaign_services
-from .harness import FaultRun, free_port, rabbit_url
+from .harness import FaultRun, free_port, rabbit_url, wait_until
 from .servers import RedisServer
 
-#: How long a bad beat is watched, seconds.
+#: How long a bad beat is watched, seconds, from its Celery banner on.
 WATCH_S = 6.0
+#: How long a beat may take to print its banner (import Celery and the app;
+#: 1 to 2 s on an idle machine, over 6 s with the whole suite on 2 cores).
+STARTUP_S = 60.0
+#: Celery prints this before beat's scheduler is set up (where a bad
+#: setting stops it).
+BANNER = b" is starting."
 #: Slots of a healthy job count from this long after the start (the beat
 #: starts and ticks) to this long before the stop.
 SETTLE_S, TAIL_S = 3.0, 2.0
@@ -317,6 +323,17 @@ def run_case(case: Case, folder: Path) -> Row:
             url = case.url(folder, run_id) if case.url else None
             with FaultRun(case.backend, folder, conf=conf, url=url) as run:
                 proc = run.cluster.start(1)[0]
+                # Watch from the banner, not from the fork: under load the
+                # imports alone can outlast the watch (a beat that was about
+                # to refuse would read as "kept running").
+                path = run.cluster.log_path(proc)
+                wait_until(
+                    lambda: (
+                        proc.poll() is not None or (path.exists() and BANNER in path.read_bytes())
+                    ),
+                    STARTUP_S,
+                    interval=0.2,
+                )
                 run.started_at = time.time()
                 deadline = time.monotonic() + WATCH_S
                 while time.monotonic() < deadline and proc.poll() is None:
