@@ -367,6 +367,33 @@ def test_trim_is_amortised_within_a_tenth_of_history_size(make: Make, job: str) 
     assert max(sizes) > 20  # amortised: not a trim per write
 
 
+def test_trims_wait_for_housekeeping_once_it_is_called(make: Make, job: str) -> None:
+    backend = make()
+    backend.housekeep(0)  # the caller does upkeep: trims leave the claim path
+    now = backend.now_ms()
+    slots = [now - 50_000 + i * 1000 for i in range(6)]
+    for slot in slots:
+        backend.claim([ClaimRequest(job, slot, 60_000, 10_000, slot + 1, history_size=2)])
+    assert len(backend.history(job)) == 6  # no claim trimmed
+    backend.housekeep(10.0)
+    assert [r.slot_ms for r in backend.history(job)] == slots[:-3:-1]
+
+
+def test_a_bursts_jobs_are_trimmed_in_different_rounds(make: Make, job: str) -> None:
+    backend = make()
+    backend.housekeep(0)
+    now = backend.now_ms()
+    names = [f"{job}-{i}" for i in range(200)]
+    due = []
+    for round_ in range(10):  # trims every 10th write of a job (history_size 100)
+        slot = now - 50_000 + round_ * 1000
+        backend.claim([ClaimRequest(name, slot, 60_000, 10_000, slot + 1) for name in names])
+        due.append(len(backend._trims_due))
+        backend.housekeep(10.0)
+    assert sum(due) == 200  # each job once in ten writes
+    assert max(due) < 60  # spread over the rounds, not all in one
+
+
 # -- takeover and release ----------------------------------------------------------
 
 

@@ -576,6 +576,14 @@ class Backend(abc.ABC):
         """
         return {}
 
+    def housekeep(self, budget_s: float = 0.5) -> None:  # noqa: B027
+        """Run upkeep that writes left for later (SQL: history trims), for
+        about ``budget_s`` seconds at most. The scheduler calls it after each
+        registry heartbeat; a backend may take the first call as the sign
+        that its caller does upkeep regularly, and from then on leave such
+        work out of its claims (off the claim path). Never raises. Default:
+        nothing."""
+
     def describe(self) -> str:
         """The backend for logs and banners, credentials masked."""
         return type(self).__name__

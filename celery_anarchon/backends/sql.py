@@ -25,6 +25,7 @@ columns on MySQL, whose default collations ignore case and trailing spaces).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -87,6 +88,13 @@ INSERT_CHUNK = 500
 #: seconds; one used more recently only has its socket checked for a close
 #: by the server (no round trip).
 PING_AFTER_IDLE_S = 1.0
+
+#: Jobs trimmed per transaction by :meth:`SQLBackend.housekeep`.
+TRIM_CHUNK = 50
+
+#: Most jobs whose trim waits for :meth:`SQLBackend.housekeep`; past it, a
+#: write trims the oldest waiting ones itself.
+MAX_DEFERRED_TRIMS = 20_000
 
 #: ``CLIENT_FOUND_ROWS``, bit 2 of the MySQL client capability flags
 #: (https://dev.mysql.com/doc/dev/mysql-server/latest/group__group__cs__capabilities__flags.html).
@@ -369,12 +377,17 @@ class SQLBackend(Backend):
     connections.
 
     History is trimmed per job after writes, amortised: at every
-    ``max(1, history_size // 10)``-th write of the job by this instance, one
-    ``DELETE`` removes its records older than
+    ``max(1, history_size // 10)``-th write of the job by this instance
+    (counted from an offset of the job's own, so a burst's jobs are trimmed
+    in different rounds), one ``DELETE`` removes its records older than
     ``history_ttl_ms`` (by slot) or beyond the newest ``history_size``,
     except those whose ``keep_until_ms`` is ahead; so between trims a job may
-    hold up to ``history_size // 10`` records more. A trim that fails is
-    logged and retried at a later write: it never fails the claim.
+    hold up to ``history_size // 10`` records more. A trim runs in the
+    writing call, after its transaction, unless the caller does
+    housekeeping: once :meth:`housekeep` has been called (the scheduler calls
+    it after each registry heartbeat), trims wait for its next call, off the
+    claim path. A trim that fails is logged and retried later: it never
+    fails the claim.
 
     Options (``anarchon_backend_options`` or URL query parameters):
 
@@ -415,6 +428,9 @@ class SQLBackend(Backend):
         self._pid = os.getpid()
         self._ready = False
         self._writes: dict[str, int] = {}
+        #: job key -> (history_size, history_ttl_ms) of trims left to housekeep()
+        self._trims_due: dict[str, tuple[int, int]] = {}
+        self._housekept = False
         if client is not None:
             if not isinstance(client, Engine):
                 raise ConfigurationError(
@@ -1255,22 +1271,61 @@ class SQLBackend(Backend):
     def _after_writes(self, writes: Iterable[tuple[str, int, int]]) -> None:
         """Count writes per job key and trim the histories now due (see the
         class docstring); ``writes`` holds ``(job key, history_size,
-        history_ttl_ms)``. A failed trim is logged, never raised."""
+        history_ttl_ms)``. Each job's count starts at an offset of its own,
+        so jobs written together (a burst) are trimmed in different rounds.
+        Once :meth:`housekeep` has been called, due trims wait for its next
+        call (up to :data:`MAX_DEFERRED_TRIMS` jobs; beyond that, the
+        oldest are trimmed here). A failed trim is logged, never raised."""
         due: dict[str, tuple[int, int]] = {}
         for job, size, ttl_ms in writes:
-            count = self._writes.get(job, 0)
+            every = _trim_every(size)
+            count = self._writes.get(job)
+            if count is None:
+                count = (
+                    int.from_bytes(hashlib.blake2b(job.encode(), digest_size=4).digest()) % every
+                )
             self._writes[job] = count + 1
-            if (count + 1) % _trim_every(size) == 0:
+            if (count + 1) % every == 0:
                 due[job] = (size, ttl_ms)
         if not due:
             return
+        if not self._housekept:
+            self._trim_now(due)
+            return
+        self._trims_due.update(due)
+        excess = len(self._trims_due) - MAX_DEFERRED_TRIMS
+        if excess > 0:
+            oldest = list(self._trims_due)[:excess]
+            self._trim_now({job: self._trims_due.pop(job) for job in oldest})
+
+    def housekeep(self, budget_s: float = 0.5) -> None:
+        """Run the history trims that writes left due, for about
+        ``budget_s`` seconds at most (one transaction per
+        :data:`TRIM_CHUNK` jobs); the rest wait for the next call. From the
+        first call on, writes leave their trims to this method instead of
+        trimming in their own call (see :meth:`Backend.housekeep`). Never
+        raises: a failed trim is logged and kept for the next call."""
+        self._housekept = True
+        deadline = time.monotonic() + budget_s
+        while self._trims_due and time.monotonic() < deadline:
+            jobs = list(itertools.islice(self._trims_due, TRIM_CHUNK))
+            chunk = {job: self._trims_due.pop(job) for job in jobs}
+            if not self._trim_now(chunk):
+                self._trims_due.update(chunk)
+                return
+
+    def _trim_now(self, due: dict[str, tuple[int, int]]) -> bool:
+        """Trim the histories of ``due`` (``job key -> (history_size,
+        history_ttl_ms)``) in one transaction; False (logged) when it failed."""
         try:
             with self._write("trim history") as conn:
                 now = self._now(conn)
                 for job, (size, ttl_ms) in sorted(due.items()):
                     self._trim(conn, job, size, ttl_ms, now)
         except BackendUnavailable as exc:
-            logger.warning("anarchon: history trim failed, retried at a later write: %s", exc)
+            logger.warning("anarchon: history trim failed, retried later: %s", exc)
+            return False
+        return True
 
     def _trim(self, conn: Connection, job: str, size: int, ttl_ms: int, now: int) -> None:
         """Delete ``job``'s records with a slot before ``now - ttl_ms`` or
