@@ -529,6 +529,15 @@ def test_a_batch_of_1000_slots_is_one_round_trip(
     later = [request(job, now + 1 + i, history_size=2000) for i in range(1000)]
     assert all(c.won for c in backend.claim(later))
     assert CountingConnection.sends == 3
+    # A single claim goes without a pipeline, and survives NOSCRIPT the same way.
+    CountingConnection.sends = 0
+    assert backend.claim([request(job, now + 2000)])[0].won
+    assert CountingConnection.sends == 1
+    raw.script_flush()
+    CountingConnection.sends = 0
+    [again] = backend.claim([request(job, now + 2001)])
+    assert again.won and CountingConnection.sends == 3
+    assert not backend.claim([request(job, now + 2001)])[0].won
     backend.close()
     client.close()
 
