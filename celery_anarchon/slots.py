@@ -231,6 +231,8 @@ class CronSlots:
         #: hour field ``*`` (croniter folds ``0-23`` and ``*/1`` into ``*``).
         self.every_hour = self.expanded[1] == ["*"]
         self._lock = threading.Lock()
+        #: the last (after_ms, answer) of next_after
+        self._last: tuple[int, int | None] | None = None
 
     def describe(self) -> str:
         """``cron '*/5 * * * *' (POSIX) Europe/Berlin``."""
@@ -240,6 +242,10 @@ class CronSlots:
     def next_after(self, after_ms: int) -> int | None:
         """The first slot strictly after ``after_ms``.
 
+        The last answer is kept: jobs that share this object (one per
+        distinct definition, see :func:`slots_for`) ask the same question
+        at start-up and at each shared slot, and croniter answers it once.
+
         Args:
             after_ms: an instant, epoch milliseconds (UTC).
 
@@ -247,6 +253,14 @@ class CronSlots:
             The slot, epoch milliseconds (UTC), or None when croniter finds no
             further match (a year field that has run out).
         """
+        last = self._last
+        if last is not None and last[0] == after_ms:
+            return last[1]
+        found = self._next_after(after_ms)
+        self._last = (after_ms, found)
+        return found
+
+    def _next_after(self, after_ms: int) -> int | None:
         # Slots are two increasing series: the first instant of each matching
         # wall time, and (hour field '*' only) the second pass of a repeated
         # wall time. The second series can only come first while `after` lies

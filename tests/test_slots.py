@@ -725,3 +725,35 @@ def test_property_hosts_agree_on_interval_slots(
     assert slot is not None
     assert (slot - anchor_ms) % interval_ms == 0
     assert start_a < slot <= start_a + interval_ms
+
+
+# -- one Slots per distinct definition (large schedules) ------------------------------
+
+
+def test_jobs_of_one_definition_share_one_cron_slots() -> None:
+    shared: dict[object, Slots] = {}
+    a = slots_for("*/5 * * * *", job="a", tz=UTC, shared=shared)
+    b = slots_for("*/5  *  * * *", job="b", tz=UTC, shared=shared)
+    berlin = slots_for("*/5 * * * *", job="c", tz=BERLIN, shared=shared)
+    tab = slots_for(crontab(minute="*/5"), job="d", tz=UTC, shared=shared)  # day-of AND
+    h1 = slots_for("H * * * *", job="h1", tz=UTC, shared=shared)
+    h2 = slots_for("H * * * *", job="h2", tz=UTC, shared=shared)
+    assert a is b
+    assert len({id(s) for s in (a, berlin, tab, h1, h2)}) == 5  # H is hashed from the name
+    assert a.next_after(0) == b.next_after(0) == 300_000
+    assert a.next_after(0) == 300_000  # the kept answer is the same answer
+    assert slots_for("*/5 * * * *", job="e", tz=UTC) is not a  # no sharing unless asked
+
+
+def test_an_ordinary_cron_is_checked_without_computing_a_slot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def computed(self: CronSlots, after_ms: int) -> int | None:
+        raise AssertionError(f"computed a slot of {self.expr!r}")
+
+    monkeypatch.setattr(CronSlots, "_next_after", computed)
+    slots_for("30 3 * * *", job="j", tz=UTC)
+    slots_for("0 0 1-28 2 *", job="k", tz=UTC)
+    slots_for(crontab(minute=15, hour=4, day_of_week="mon"), job="l", tz=UTC)
+    with pytest.raises(AssertionError, match="31 2"):  # only the fields' check can tell
+        slots_for("0 0 31 2 *", job="x", tz=UTC)
