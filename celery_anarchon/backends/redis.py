@@ -77,6 +77,9 @@ LAST_SLOTS_CHUNK = 1000
 #   keep_key_until(k, t, n, m)  make key k live at least until t (never
 #       shortens); when it must move, it moves to t + m (m ms of headroom,
 #       default 0), so the writes that follow find it long enough
+#   keep_history_until(runs, index, t, n, m)  keep_key_until for a job's two
+#       history keys, which always carry the same expiry: one PTTL (the
+#       index's) tells for both
 #   put_run(runs, index, member, score, run)   write one history record
 #   trim(runs, index, size, ttl, now)  once the history holds more than
 #       size + slack records (slack: a tenth of size, at least 1), or its
@@ -102,6 +105,15 @@ local function keep_key_until(key, until_ms, now, headroom)
     local pttl = redis.call('PTTL', key)
     if pttl == -1 or (pttl >= 0 and now + pttl < until_ms) then
         redis.call('PEXPIREAT', key, int(until_ms + (headroom or 0)))
+    end
+end
+
+local function keep_history_until(runs, index, until_ms, now, headroom)
+    until_ms = math.max(until_ms, now + 1)
+    local pttl = redis.call('PTTL', index)
+    if pttl == -1 or (pttl >= 0 and now + pttl < until_ms) then
+        redis.call('PEXPIREAT', runs, int(until_ms + headroom))
+        redis.call('PEXPIREAT', index, int(until_ms + headroom))
     end
 end
 
@@ -183,16 +195,18 @@ if guard then
     token = 1 - tonumber(guard)
 end
 local keep_until = tonumber(ARGV[5])
-set_guard(KEYS[1], token, keep_until, now)
+if guard then
+    set_guard(KEYS[1], token, keep_until, now)
+elseif keep_until > now then  -- no key yet: nothing to keep or to read
+    redis.call('SET', KEYS[1], token, 'PXAT', int(keep_until))
+end
 put_run(KEYS[2], KEYS[3], ARGV[1], ARGV[1], {
     slot_ms = slot, state = 'claimed', instance = ARGV[2], token = token,
     claimed_at_ms = now, lease_until_ms = now + tonumber(ARGV[6]),
     keep_until_ms = keep_until})
 local ttl = tonumber(ARGV[8])
 trim(KEYS[2], KEYS[3], tonumber(ARGV[7]), ttl, now)
-local headroom = math.floor(ttl / 10)
-keep_key_until(KEYS[2], math.max(slot + ttl, keep_until), now, headroom)
-keep_key_until(KEYS[3], math.max(slot + ttl, keep_until), now, headroom)
+keep_history_until(KEYS[2], KEYS[3], math.max(slot + ttl, keep_until), now, math.floor(ttl / 10))
 return token
 """
 
