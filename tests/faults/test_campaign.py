@@ -1,4 +1,5 @@
-"""The fault campaign's short (CI) profile as tests: ``pytest -m faults``.
+"""The fault campaign's short (CI) profile as tests, part of the default
+run (``pytest -n 3``; alone: ``pytest -m faults``).
 
 Each row of :data:`~tests.faults.scenarios.SHORT_PROFILE` and each bad-input
 case is one test; a row passes when it passes every check of
@@ -18,7 +19,17 @@ from .badinput import BAD_INPUT, Case, run_case
 from .campaign import campaign_services, run_row
 from .scenarios import SHORT_DURATION, SHORT_PROFILE
 
-pytestmark = [pytest.mark.faults, pytest.mark.services, pytest.mark.integration]
+#: One xdist group (tests/faults/xdist_groups.py, loaded by setup.cfg, does
+#: the grouping; the mark says so for xdist versions where it works): the
+#: campaign's rows run one after another on one worker of ``pytest -n 3``,
+#: beside the rest of the suite, so at most one row's beats load the
+#: machine at a time.
+pytestmark = [
+    pytest.mark.faults,
+    pytest.mark.services,
+    pytest.mark.integration,
+    pytest.mark.xdist_group("faults"),
+]
 
 SERVICE = {"postgresql": "postgresql", "mysql": "mysql", "redis": "redis", "rabbitmq": "rabbitmq"}
 

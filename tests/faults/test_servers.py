@@ -24,8 +24,9 @@ from ..conftest import require_service
 from .harness import port_open
 from .scenarios import BACK_LOG, OUTAGE_LOG, wait_back
 from .servers import RabbitServer
+from .xdist_groups import GROUP, group_of
 
-pytestmark = [pytest.mark.faults]
+pytestmark = [pytest.mark.faults, pytest.mark.xdist_group("faults")]
 
 SHARED_NODE_PORT = 5672
 
@@ -47,13 +48,18 @@ def shared_node_uptime_s() -> float | None:
 
 
 def publish_persistent(port: int, vhost: str, queue: str) -> None:
-    conn = amqp.Connection(f"127.0.0.1:{port}", virtual_host=vhost, connect_timeout=5)
+    """Publish one persistent message to durable ``queue`` and wait for the
+    broker's confirm (``confirm_publish``: basic_publish waits for the ack)."""
+    conn = amqp.Connection(
+        f"127.0.0.1:{port}", virtual_host=vhost, connect_timeout=5, confirm_publish=True
+    )
     conn.connect()
     try:
         channel = conn.channel()
-        channel.confirm_select()
         channel.queue_declare(queue, durable=True, auto_delete=False)
-        channel.basic_publish(amqp.Message(b"kept", delivery_mode=2), routing_key=queue)
+        channel.basic_publish(
+            amqp.Message(b"kept", delivery_mode=2), routing_key=queue, confirm_timeout=30
+        )
     finally:
         conn.close()
 
@@ -118,3 +124,15 @@ def test_wait_back_waits_for_every_beat_that_lost_the_backend(tmp_path: Path) ->
     # A second outage needs a second "back".
     (tmp_path / "beat-0.log").write_bytes(away + back + away)
     assert wait_back(run, timeout=0.3) is False
+
+
+def test_campaign_tests_share_one_xdist_unit() -> None:
+    """Every test of the campaign's files is scheduled as one unit; other
+    tests (the lease fault tests included) each on their own."""
+    row = "tests/faults/test_campaign.py::test_short_profile[kill-9 loop-sqlite]"
+    assert group_of(row) == GROUP
+    assert group_of("tests/faults/test_campaign.py::test_bad_input[a@b-redis]") == GROUP
+    assert group_of("tests/faults/test_servers.py::test_wait_back") == GROUP
+    other = "tests/test_faults_lease.py::test_kill9_between_claim_and_send[redis]"
+    assert group_of(other) == other
+    assert group_of("tests/test_x.py::test_y@pool") == "pool"

@@ -1,0 +1,46 @@
+"""A pytest plugin (``-p tests.faults.xdist_groups`` in setup.cfg): the fault
+campaign's tests run one after another on one xdist worker.
+
+pytest-xdist's ``--dist loadgroup`` groups tests marked ``xdist_group`` by
+renaming their node ids on the workers (``item._nodeid``), which pytest 9 no
+longer reads, so every test ran as a group of its own and three campaign
+rows (each three beats and a worker) ran at once beside the rest of the
+suite on two cores. This scheduler puts the campaign's test files in one
+group by node id instead, decided where tests are scheduled, and leaves
+every other test its own unit (as ``--dist load`` does); ``loadgroup``'s
+default ordering sends the largest group, the campaign, out first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+#: Test files whose tests form the group ``faults`` (node ids from the rootdir).
+GROUPED = ("tests/faults/test_campaign.py", "tests/faults/test_servers.py")
+GROUP = "faults"
+
+
+def group_of(nodeid: str) -> str:
+    """The scheduling unit of test ``nodeid``: :data:`GROUP` for the
+    campaign's tests, an ``@name`` suffix where xdist managed to add one,
+    the node id itself otherwise."""
+    if nodeid.rfind("@") > nodeid.rfind("]"):
+        return nodeid.split("@")[-1]
+    if nodeid.startswith(GROUPED):
+        return GROUP
+    return nodeid
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class CampaignGroupScheduling(LoadGroupScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return CampaignGroupScheduling(config, log)
