@@ -378,8 +378,9 @@ class SQLBackend(Backend):
 
     History is trimmed per job after writes, amortised: at every
     ``max(1, history_size // 10)``-th write of the job by this instance
-    (counted from an offset of the job's own, so a burst's jobs are trimmed
-    in different rounds), one ``DELETE`` removes its records older than
+    (at an offset of the job's own, so a burst's jobs are trimmed in
+    different rounds; never before that many writes), one ``DELETE``
+    removes its records older than
     ``history_ttl_ms`` (by slot) or beyond the newest ``history_size``,
     except those whose ``keep_until_ms`` is ahead; so between trims a job may
     hold up to ``history_size // 10`` records more. A trim runs in the
@@ -1271,21 +1272,20 @@ class SQLBackend(Backend):
     def _after_writes(self, writes: Iterable[tuple[str, int, int]]) -> None:
         """Count writes per job key and trim the histories now due (see the
         class docstring); ``writes`` holds ``(job key, history_size,
-        history_ttl_ms)``. Each job's count starts at an offset of its own,
-        so jobs written together (a burst) are trimmed in different rounds.
+        history_ttl_ms)``. A job is first trimmed at a write between its
+        ``every``-th and ``2 * every - 1``-th (at an offset of its own),
+        then at every ``every``-th: jobs written together (a burst) are
+        trimmed in different rounds, and a new job's first writes never are.
         Once :meth:`housekeep` has been called, due trims wait for its next
         call (up to :data:`MAX_DEFERRED_TRIMS` jobs; beyond that, the
         oldest are trimmed here). A failed trim is logged, never raised."""
         due: dict[str, tuple[int, int]] = {}
         for job, size, ttl_ms in writes:
             every = _trim_every(size)
-            count = self._writes.get(job)
-            if count is None:
-                count = (
-                    int.from_bytes(hashlib.blake2b(job.encode(), digest_size=4).digest()) % every
-                )
-            self._writes[job] = count + 1
-            if (count + 1) % every == 0:
+            count = self._writes.get(job, 0) + 1
+            self._writes[job] = count
+            offset = int.from_bytes(hashlib.blake2b(job.encode(), digest_size=4).digest())
+            if count >= every and (count + offset) % every == 0:
                 due[job] = (size, ttl_ms)
         if not due:
             return
