@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from functools import cached_property
 from typing import Any
 from zoneinfo import ZoneInfo
 
@@ -72,6 +73,27 @@ HOUSEKEEPING_BUDGET = 0.5
 #: Reconnect backoff bounds while the backend is away, seconds.
 BACKOFF_MIN = 1.0
 BACKOFF_MAX = 30.0
+
+#: Publishing to Celery's broker: attempts of one publish, each on a broker
+#: connection made afresh after a failure with one connect attempt (bounded
+#: by ``broker_connection_timeout``); after a publish failed, further sends
+#: fail at once for PUBLISH_PAUSE seconds, so a tick with many won slots and
+#: an unreachable broker is not blocked once per slot.
+PUBLISH_ATTEMPTS = 2
+PUBLISH_PAUSE = 1.0
+
+#: Least time left before ``max_late`` for a claim released on shutdown,
+#: seconds: the other instances see this one leave the registry at their
+#: next heartbeat, then take the slot in their next tick.
+HAND_OVER_MARGIN = HEARTBEAT_INTERVAL + 1.0
+
+#: Share of its lease a claim may have been held when its publish starts;
+#: later, a backup runner may be taking the slot over (a second publish).
+PUBLISH_BY = 0.8
+
+#: kombu transports that ignore ``connect_timeout`` (their own socket
+#: timeouts are set instead, see :attr:`Scheduler.connection`).
+REDIS_TRANSPORTS = frozenset({"redis", "rediss", "sentinel"})
 
 #: Kinds of heap events: a job's next slot is due; claim a slot after this
 #: instance's claim delay; check whether a lost slot's owner died (backup
@@ -365,13 +387,16 @@ def send_slot(
     task_id: str,
     producer: Any = None,
     expires: datetime | None = None,
+    retry: bool | None = None,
 ) -> Any:
     """Send ``entry``'s task for one slot through Celery's own path.
 
     ``apply_async`` with the entry's args, kwargs and options (routing,
     queue, expires, ...) untouched, plus the task id and the headers
     ``anarchon_job``, ``anarchon_slot`` (epoch ms), ``anarchon_token`` and
-    Celery beat's own ``celery_beat_task``.
+    Celery beat's own ``celery_beat_task``. ``retry`` (when not None)
+    replaces the entry's and ``task_publish_retry``: the scheduler passes
+    False and retries itself, bounded (:meth:`Scheduler._publish`).
 
     Returns:
         the ``AsyncResult``.
@@ -389,6 +414,8 @@ def send_slot(
     options.pop("task_id", None)
     if expires is not None:  # anarchon_expires; the entry's own option wins
         options.setdefault("expires", expires)
+    if retry is not None:
+        options["retry"] = retry
     args = beat._evaluate_entry_args(entry.args)
     kwargs = beat._evaluate_entry_kwargs(entry.kwargs)
     task = app.tasks.get(entry.task)
@@ -460,8 +487,14 @@ class Scheduler(beat.Scheduler):
         self._send_cost: float | None = None
         #: answers of this batch's Backend.holding read, by (job, slot, token)
         self._holds: dict[tuple[str, int, int | str | None], bool] = {}
-        #: claims whose send failed, left to a backup: (job, slot) -> (claim, error)
-        self._failed_sends: dict[tuple[str, int], tuple[Claim, str]] = {}
+        #: claims whose send failed, left to a backup:
+        #: (job, slot) -> (claim, error, latest end of its lease in epoch ms)
+        self._failed_sends: dict[tuple[str, int], tuple[Claim, str, int]] = {}
+        #: job -> first slot planned at start-up, while its gap is not settled
+        self._unsettled: dict[str, int] = {}
+        #: no publish is tried before this time.monotonic() (broker away), and why
+        self._publish_paused_until = 0.0
+        self._publish_error = ""
         #: (job, instance, definition) drift already warned about
         self._drift_seen: set[tuple[str, str, str]] = set()
         #: (instance, fingerprint) of peers whose definitions were compared
@@ -559,17 +592,41 @@ class Scheduler(beat.Scheduler):
 
     def _plan_first_slots(self) -> None:
         """Plan each job's first slot: the first after ``now - max_late``
-        (DESIGN section 2), after settling what happened while no instance
-        ran (:meth:`_settle_gap`)."""
+        (DESIGN section 2), and settle what happened while no instance ran
+        (:meth:`_settle_gaps`): now, or once the backend answers when it is
+        away at start-up."""
         now_ms = self._now_ms()
         self._events = []
-        last_slots = self._last_slots() if self._backend_ready else {}
         for job in self._jobs.values():
             job.next_slot_ms = first_slot(job.slots, now_ms, _ms(job.options.max_late))
-            last = last_slots.get(job.name)
-            if last is not None and job.next_slot_ms is not None:
-                self._settle_gap(job, last, job.next_slot_ms, now_ms)
             self._push(job)
+        self._unsettled = {
+            name: job.next_slot_ms
+            for name, job in self._jobs.items()
+            if job.next_slot_ms is not None
+        }
+        if self._backend_ready:
+            self._settle_gaps()
+
+    def _settle_gaps(self) -> None:
+        """Settle each job's gap between the backend's last record of it and
+        its first slot planned at start-up (:meth:`_settle_gap`), once.
+        Called at start-up and, while that has not happened (the backend was
+        away), as soon as the backend answers, before anything this
+        instance records itself: the slots of the gap were never acted on
+        by anybody and must still be recorded missed or caught up."""
+        if not self._unsettled:
+            return
+        last_slots = self._last_slots()
+        if not self._backend_ready:  # the read failed: again at the next answer
+            return
+        pending, self._unsettled = self._unsettled, {}
+        now_ms = self._now_ms()
+        for name, first_ms in pending.items():
+            job = self._jobs.get(name)
+            last = last_slots.get(name)
+            if job is not None and last is not None:
+                self._settle_gap(job, last, first_ms, now_ms)
 
     def _last_slots(self) -> dict[str, int]:
         """``job -> newest scheduled slot the backend has a record of``
@@ -691,12 +748,23 @@ class Scheduler(beat.Scheduler):
         Returns:
             seconds until the next slot's claim falls due, at most
             ``max_interval`` and at most the registry heartbeat period.
+        Raises:
+            SystemExit: the scheduler was closed (beat is shutting down).
         """
+        if self._closed:
+            # Beat closes the scheduler from its SIGTERM handler, then raises
+            # SystemExit wherever the main thread is; a library reading a
+            # socket that close() shut can turn it into another error that
+            # a tick survives. A closed scheduler never ticks on (it would
+            # reconnect and send after handing its claims over): exit again.
+            raise SystemExit()
         if self._settings is None:  # constructed lazily, then ticked
             self.setup_schedule()
         now = self._clock()
         if not self._backend_ready and now >= self._retry_at:
             self._connect()
+        if self._backend_ready and self._unsettled:
+            self._settle_gaps()  # the backend was away at start-up
         if self._backend_ready and now >= self._next_heartbeat:
             self._heartbeat(now)
         if self._backend_ready and self._unrecorded:
@@ -737,6 +805,7 @@ class Scheduler(beat.Scheduler):
         now_ms = self._now_ms()
         to_claim: list[tuple[Job, int, bool]] = []
         take_overs: list[tuple[Job, int]] = []
+        claiming: dict[str, int] = {}  # overlap='skip' jobs with a slot in this batch
         for kind, job, slot_ms in due:
             late = now_ms > slot_ms + _ms(job.options.max_late)
             if kind == TAKE_OVER:
@@ -744,6 +813,8 @@ class Scheduler(beat.Scheduler):
             elif kind == SEND_FAILED:
                 self._close_failed_send(job, slot_ms)
             elif kind == CATCH_UP:
+                if self._skip_for_overlap(job, slot_ms, claiming):
+                    continue
                 to_claim.append((job, slot_ms, True))
             elif kind == DUE and late:
                 self._record_missed(job, slot_ms, now_ms)
@@ -756,7 +827,7 @@ class Scheduler(beat.Scheduler):
                     if claim_at > now_ms:
                         self._push_event(claim_at, CLAIM, job.name, slot_ms)
                         continue
-                if job.options.overlap == "skip" and self._skip_for_overlap(job, slot_ms):
+                if self._skip_for_overlap(job, slot_ms, claiming):
                     continue
                 to_claim.append((job, slot_ms, False))
         if take_overs:
@@ -891,7 +962,9 @@ class Scheduler(beat.Scheduler):
     def _plan_take_over(self, job: Job, slot_ms: int, now_ms: int) -> None:
         """After losing ``slot_ms``, plan to check it once the winner's lease
         ends: if the winner died before recording its send, this instance
-        takes the slot over.
+        takes the slot over. When that lease outlives ``max_late``, only a
+        hand-over is checked for (the owner leaving the registry releases
+        the slot on shutdown, :meth:`Scheduler._hand_over`).
 
         With a registry, only the two first instances of the slot's
         rendezvous order check (whichever of them lost): the winner is
@@ -903,14 +976,20 @@ class Scheduler(beat.Scheduler):
         if len(self._peers) > 2 and self._rank(job.name, slot_ms) > 1:
             return
         lease_ms = _ms(job.options.lease_ttl)
-        if now_ms + lease_ms > slot_ms + _ms(job.options.max_late):
-            return  # the lease outlives max_late: a take-over would be late anyway
+        last_ms = slot_ms + _ms(job.options.max_late)
+        # Due a check at once should the owner leave the registry (it hands
+        # the slot over on shutdown), until max_late; forgotten after.
+        self._take_over_due.add((job.name, slot_ms))
+        if now_ms + lease_ms > last_ms:
+            # The lease outlives max_late: no check at its end, only the
+            # hand-over one; this event just forgets the slot.
+            self._push_event(last_ms + 1, TAKE_OVER, job.name, slot_ms)
+            return
         delay_ms = self._random.randint(0, _ms(job.options.jitter) or 1)
         # Rounded up to TAKE_OVER_GRAIN_MS, so the checks of one round fall
         # due together and go to the backend as a few batches, not one each.
         due_ms = -(-(now_ms + lease_ms + delay_ms) // TAKE_OVER_GRAIN_MS) * TAKE_OVER_GRAIN_MS
         self._push_event(due_ms, TAKE_OVER, job.name, slot_ms)
-        self._take_over_due.add((job.name, slot_ms))
 
     def _check_take_overs_now(self) -> None:
         """An instance left the registry (hand-over on shutdown): check the
@@ -963,35 +1042,47 @@ class Scheduler(beat.Scheduler):
 
     # -- overlap protection ------------------------------------------------
 
-    def _skip_for_overlap(self, job: Job, slot_ms: int) -> bool:
+    def _skip_for_overlap(self, job: Job, slot_ms: int, claiming: dict[str, int]) -> bool:
         """With ``overlap='skip'``: True (and ``slot_ms`` recorded
-        ``skipped``) while the job's previous run is in flight.
+        ``skipped``) while the job's previous run is in flight; always False
+        for ``overlap='allow'``. Catch-up slots are checked too.
 
         In flight: claimed with a live lease; sent and not started for less
         than :data:`SENT_IN_FLIGHT` seconds; running with a live lease (the
         worker integration extends it). A running run whose lease ended is
-        recorded ``lost`` (its worker died) and frees the job.
+        recorded ``lost`` (its worker died) and frees the job. An earlier
+        slot of the job going to the backend in the same batch
+        (``claiming``: job -> slot ms, kept up to date here) is in flight
+        too: catch-up puts several slots of one job in one batch.
         """
-        backend = self._backend
-        if backend is None or not self._backend_ready:
+        if job.options.overlap != "skip":
             return False
-        try:
-            history = backend.history(job.name, limit=job.options.history_size)
-        except BackendUnavailable as exc:
-            self._on_outage(exc)
-            return False
-        runs = (r for r in history if r.slot_ms < slot_ms and r.state not in NOT_RUN)
-        previous = next(runs, None)
-        if previous is None or not self._in_flight(previous, job):
-            return False
-        if self._record_if_absent(job, slot_ms, State.SKIPPED, f"previous run {previous.state}"):
+        earlier = claiming.get(job.name)
+        if earlier is not None and earlier < slot_ms:
+            previous_ms, state = earlier, "being claimed"
+        else:
+            backend = self._backend
+            if backend is None or not self._backend_ready:
+                return False
+            try:
+                history = backend.history(job.name, limit=job.options.history_size)
+            except BackendUnavailable as exc:
+                self._on_outage(exc)
+                return False
+            runs = (r for r in history if r.slot_ms < slot_ms and r.state not in NOT_RUN)
+            previous = next(runs, None)
+            if previous is None or not self._in_flight(previous, job):
+                claiming[job.name] = slot_ms
+                return False
+            previous_ms, state = previous.slot_ms, str(previous.state)
+        if self._record_if_absent(job, slot_ms, State.SKIPPED, f"previous run {state}"):
             self.metrics.skipped(job.name)
             logger.warning(
                 "anarchon: skipped %s @ %s: the run of %s is still %s (overlap='skip')",
                 job.name,
                 _iso(slot_ms),
-                _iso(previous.slot_ms),
-                previous.state,
+                _iso(previous_ms),
+                state,
             )
         return True
 
@@ -1071,18 +1162,19 @@ class Scheduler(beat.Scheduler):
         # window, leaving a superseded record), never to a hand-over.
         self._held.pop((job.name, claim.slot_ms), None)
         try:
-            send_slot(
-                self.app,
-                job.entry,
-                job=job.name,
-                slot_ms=claim.slot_ms,
-                token=claim.token,
-                task_id=task_id,
-                producer=self.producer,
-                expires=self._expires(job, claim.slot_ms),
+            self._publish(job, claim, claimed_at, task_id)
+        except _StaleClaim as exc:
+            logger.warning(
+                "anarchon: %s @ %s held %.1fs of a %.0fs lease when its publish was due; "
+                "not sent by this instance (left to a backup)",
+                job.name,
+                _iso(claim.slot_ms),
+                exc.held_s,
+                lease_s,
             )
+            self._on_send_failed(job, claim, task_id, TimeoutError("lease ended"))
+            return
         except Exception as exc:
-            self._held.pop((job.name, claim.slot_ms), None)
             self.metrics.send_failed(job.name)
             self._on_send_failed(job, claim, task_id, exc)
             return
@@ -1123,8 +1215,8 @@ class Scheduler(beat.Scheduler):
             _iso(claim.slot_ms),
             exc,
         )
-        self._failed_sends[(job.name, claim.slot_ms)] = (claim, error)
         lease_end = self._now_ms() + _ms(job.options.lease_ttl)
+        self._failed_sends[(job.name, claim.slot_ms)] = (claim, error, lease_end)
         last_chance = claim.slot_ms + _ms(job.options.max_late)
         self._push_event(max(lease_end, last_chance) + 1000, SEND_FAILED, job.name, claim.slot_ms)
 
@@ -1137,6 +1229,111 @@ class Scheduler(beat.Scheduler):
                 job.name,
                 _iso(slot_ms),
             )
+
+    # -- publishing to Celery's broker ---------------------------------------
+
+    def _publish(self, job: Job, claim: Claim, claimed_at: float, task_id: str) -> None:
+        """Publish a won slot, bounded in time so a tick is never blocked
+        long by a broker that is away (DESIGN section 3: any doubt is lost).
+
+        At most :data:`PUBLISH_ATTEMPTS` attempts. Each connects (once,
+        bounded by ``broker_connection_timeout``) if beat has no broker
+        connection, re-checks the claim's age right before publishing, and
+        publishes without kombu's own retries. After a failed attempt the
+        producer and its connection are dropped and made afresh: kombu
+        closes the producer's channel when a publish hits a dropped
+        connection and leaves it closed when it cannot reconnect, so the
+        cached producer would fail every later publish
+        (``AttributeError: 'NoneType' object has no attribute 'state'`` on
+        the Redis transport) even once the broker is back.
+
+        Raises:
+            _StaleClaim: the claim was held more than :data:`PUBLISH_BY` of
+                its lease when a publish was due (a backup may take it over).
+            Exception: the last attempt's error, or, within
+                :data:`PUBLISH_PAUSE` seconds of a failed publish, a
+                ConnectionError without trying (the broker is away).
+        """
+        lease_s = job.options.lease_ttl
+        if time.monotonic() < self._publish_paused_until:
+            raise ConnectionError(
+                f"Celery's broker did not answer a publish less than {PUBLISH_PAUSE:g}s "
+                f"ago ({self._publish_error}); not tried again yet"
+            )
+        for attempt in range(1, PUBLISH_ATTEMPTS + 1):
+            try:
+                producer = self.producer  # connects if needed, bounded
+                held_s = self._clock() - claimed_at
+                if held_s > lease_s * PUBLISH_BY:
+                    raise _StaleClaim(held_s)
+                send_slot(
+                    self.app,
+                    job.entry,
+                    job=job.name,
+                    slot_ms=claim.slot_ms,
+                    token=claim.token,
+                    task_id=task_id,
+                    producer=producer,
+                    expires=self._expires(job, claim.slot_ms),
+                    retry=False,
+                )
+                return
+            except _StaleClaim:
+                raise
+            except Exception as exc:
+                self._drop_producer()
+                if attempt == PUBLISH_ATTEMPTS:
+                    self._publish_error = repr(exc)
+                    self._publish_paused_until = time.monotonic() + PUBLISH_PAUSE
+                    raise
+                logger.info(
+                    "anarchon: publishing %s @ %s failed (%r); again on a new broker connection",
+                    job.name,
+                    _iso(claim.slot_ms),
+                    exc,
+                )
+
+    def _drop_producer(self) -> None:
+        """Forget beat's cached producer and broker connection (Celery's
+        ``producer`` and ``connection``), so the next publish makes both
+        afresh."""
+        self.__dict__.pop("producer", None)
+        connection = self.__dict__.pop("connection", None)
+        if connection is not None:
+            try:
+                connection.release()
+            except Exception as exc:  # a connection that broke may not close cleanly
+                logger.debug("anarchon: releasing a broken broker connection: %r", exc)
+
+    @cached_property
+    def connection(self) -> Any:
+        """Beat's broker connection for publishing (Celery's, cached the same
+        way and released by :meth:`close`). The Redis transport ignores
+        ``broker_connection_timeout``: there it is also the connection's
+        ``socket_connect_timeout`` and ``socket_timeout``, unless
+        ``broker_transport_options`` sets them, so a broker that does not
+        answer fails a publish after that long instead of blocking beat."""
+        connection = self.app.connection_for_write()
+        if connection.transport_cls not in REDIS_TRANSPORTS:
+            return connection
+        timeout = float(self.app.conf.broker_connection_timeout or 4.0)
+        own = self.app.conf.broker_transport_options or {}
+        options = {k: timeout for k in ("socket_connect_timeout", "socket_timeout") if k not in own}
+        if not options:
+            return connection
+        connection.release()
+        return self.app.connection_for_write(transport_options=options)
+
+    def _ensure_connected(self) -> Any:
+        """Connect beat's broker connection for :attr:`producer`: one
+        attempt, bounded by the connection's timeout. (Celery's own retries
+        ``broker_connection_max_retries`` times, 100 by default, with
+        growing pauses: a tick blocked for many minutes by a broker outage.)
+
+        Raises:
+            kombu.exceptions.OperationalError: the broker did not answer.
+        """
+        return self.connection.ensure_connection(max_retries=0)
 
     def _expires(self, job: Job, slot_ms: int) -> datetime | None:
         """The message expiry of ``job``'s run at ``slot_ms`` (anarchon_expires)."""
@@ -1554,15 +1751,57 @@ class Scheduler(beat.Scheduler):
         super().close()
 
     def _hand_over(self, backend: Backend) -> None:
-        """Release won claims not yet sent, so another instance takes them at
-        once instead of after the lease (graceful shutdown)."""
-        held, self._held = list(self._held.values()), {}
-        if held:
+        """On graceful shutdown, give up the claims this instance won and
+        has not sent, each either to another instance or to the record.
+
+        A held claim (won, not yet published) whose slot another instance
+        can still take within ``max_late`` (at least :data:`HAND_OVER_MARGIN`
+        seconds left: the others see this instance leave the registry at
+        their next heartbeat) is released, so one takes it at once instead
+        of after the lease; a later one is recorded ``lost`` with the
+        reason, since nobody could send it any more and a released slot has
+        no record. A claim whose send failed stays with its lease while a
+        backup can still take it over at the lease's end; otherwise it is
+        recorded ``lost`` now (this instance will not be there to do it
+        when ``max_late`` ends). Records are fenced by token: a slot taken
+        over meanwhile keeps the new owner's record."""
+        now_ms = self._now_ms()
+        release: list[Claim] = []
+        lost: list[tuple[Claim, str]] = []
+        for claim in self._held.values():
+            job = self._jobs.get(claim.job)
+            if job is None:
+                continue
+            last_ms = claim.slot_ms + _ms(job.options.max_late)
+            if now_ms + _ms(HAND_OVER_MARGIN) <= last_ms:
+                release.append(claim)
+            else:
+                lost.append((claim, "shut down before sending; too late to hand over"))
+        self._held = {}
+        for (name, slot_ms), (claim, error, lease_end_ms) in self._failed_sends.items():
+            job = self._jobs.get(name)
+            if job is None:
+                continue
+            if not now_ms < lease_end_ms <= slot_ms + _ms(job.options.max_late):
+                lost.append((claim, f"{error}; shut down, no backup took it over"))
+        self._failed_sends = {}
+        if release:
             try:
-                backend.release(held)
-                logger.info("anarchon: handed %d unsent slot(s) over on shutdown", len(held))
+                backend.release(release)
+                logger.info("anarchon: handed %d unsent slot(s) over on shutdown", len(release))
             except Exception as exc:
-                logger.warning("anarchon: could not hand %d slot(s) over: %r", len(held), exc)
+                logger.warning("anarchon: could not hand %d slot(s) over: %r", len(release), exc)
+        for claim, error in lost:
+            try:
+                if backend.mark(claim, State.LOST, error=error):
+                    logger.warning(
+                        "anarchon: %s @ %s not sent: %s; recorded lost",
+                        claim.job,
+                        _iso(claim.slot_ms),
+                        error,
+                    )
+            except Exception as exc:
+                logger.warning("anarchon: could not record %s lost: %r", claim.job, exc)
 
     @property
     def info(self) -> str:
