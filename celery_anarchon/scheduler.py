@@ -84,8 +84,9 @@ PUBLISH_PAUSE = 1.0
 
 #: Least time left before ``max_late`` for a claim released on shutdown,
 #: seconds: the other instances see this one leave the registry at their
-#: next heartbeat, then take the slot in their next tick.
-HAND_OVER_MARGIN = HEARTBEAT_INTERVAL + 1.0
+#: next heartbeat (one period), then take the slot in a tick (another
+#: period's margin for a loaded machine).
+HAND_OVER_MARGIN = 2 * HEARTBEAT_INTERVAL
 
 #: Share of its lease a claim may have been held when its publish starts;
 #: later, a backup runner may be taking the slot over (a second publish).

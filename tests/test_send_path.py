@@ -564,3 +564,67 @@ def test_a_closed_scheduler_never_ticks_on(tmp_path: Path) -> None:
     assert memory_sent(app) == [
         ("h", int(app.conf.beat_schedule["h"]["anarchon"]["anchor"]) * 1000)
     ]
+
+
+@pytest.mark.integration
+def test_real_beats_hand_a_slot_over_on_sigterm_when_the_lease_outlives_max_late(
+    tmp_path: Path,
+) -> None:
+    """Three real beats on Redis, ``lease_ttl`` 20 s beyond ``max_late``
+    16 s. One beat takes 6 s from each won claim to its send
+    (``anarchon_test_send_delay``) and gets SIGTERM holding a slot the
+    others tried and lost: another
+    beat sends that slot once, and every due slot is published or on the
+    record. Before, nobody planned a check of a slot whose lease outlives
+    ``max_late``: the released slot was never sent and had no record."""
+    from celery_anarchon.scheduler import HEARTBEAT_INTERVAL
+
+    from .beats import instance_prefix
+    from .faults.harness import MISS_STATES, FaultRun, wait_until
+
+    require_service("redis")
+    job = "every-2s"
+    conf = {
+        "anarchon_lease_ttl": 20.0,
+        "anarchon_max_late": 16.0,
+        "anarchon_jitter": 1.0,
+        "anarchon_registry_ttl": 10.0,
+    }
+    with FaultRun("redis", tmp_path, conf=conf, schedules={job: "* * * * * */2"}) as run:
+        run.start(2, worker=False)
+        time.sleep(3.0)
+        victim = run.cluster.start(1, conf={"anarchon_test_send_delay": 6.0})[0]
+        assert run.cluster.wait_ticking([victim]), run.cluster.logs()
+        since_ms = int(time.time() + HEARTBEAT_INTERVAL + 1) * 1000  # all beats know each other
+        held = run.wait_for_held(victim, job, since_ms=since_ms, timeout=30)
+        assert held is not None, run.cluster.logs()
+        # After the backups tried the slot (at its jitter) and lost it, so
+        # only a take-over check can send it; before the victim's send.
+        time.sleep(max(held.slot_ms / 1000 + 3.0 - time.time(), 0.0))
+        records = run.history([job])[job]
+        [now_held] = [r for r in records if r.slot_ms == held.slot_ms]
+        assert (now_held.state, now_held.token) == (State.CLAIMED, held.token), records
+        run.cluster.stop([victim], timeout=15)
+        assert victim.returncode == 0, run.cluster.logs()
+
+        def sent() -> bool:
+            records = run.history([job])[job]
+            return any(r.slot_ms == held.slot_ms and r.state is State.SENT for r in records)
+
+        wait_until(sent, 2 * HEARTBEAT_INTERVAL + 5, 0.2)
+        time.sleep(2.0)
+        run.stop()
+        outcome = run.outcome(tail_s=4.0)
+    logs = run.cluster.logs()
+    slot = (job, held.slot_ms)
+    assert outcome.published[slot] == 1, logs
+    [record] = [r for r in outcome.records(*slot) if r.state is State.SENT]
+    assert not (record.instance or "").startswith(instance_prefix(victim)), logs
+    assert outcome.duplicate_publishes() == {}, logs
+    unaccounted = [
+        s
+        for s in outcome.due
+        if s not in outcome.published
+        and not any(r.state in MISS_STATES for r in outcome.records(*s))
+    ]
+    assert unaccounted == [], (unaccounted, logs)
