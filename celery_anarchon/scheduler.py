@@ -143,7 +143,12 @@ LEASE_SHARE = 4
 #: the smallest batch of claims, and the fewest sends a cost is measured on.
 FIRST_SEND_COST = 0.01
 MIN_CLAIM_BATCH = 50
+MAX_CLAIM_BATCH = 2000
 MIN_SENDS_MEASURED = 20
+
+#: A batch still sending ``lease_ttl / RELEASE_SHARE`` after its claim (the
+#: estimate was wrong) gives the rest back to be claimed afresh.
+RELEASE_SHARE = 3
 
 
 class _StaleClaim(Exception):
@@ -486,8 +491,6 @@ class Scheduler(beat.Scheduler):
         #: measured seconds per claimed slot and per sent slot, or None
         self._claim_cost: float | None = None
         self._send_cost: float | None = None
-        #: answers of this batch's Backend.holding read, by (job, slot, token)
-        self._holds: dict[tuple[str, int, int | str | None], bool] = {}
         #: claims whose send failed, left to a backup:
         #: (job, slot) -> (claim, error, latest end of its lease in epoch ms)
         self._failed_sends: dict[tuple[str, int], tuple[Claim, str, int]] = {}
@@ -851,39 +854,59 @@ class Scheduler(beat.Scheduler):
         # Held until sent: a shutdown in the middle of this batch releases
         # the rest (hand-over) instead of leaving them to lease expiry.
         self._held.update({(c.job, c.slot_ms): c for c in claims if c.won})
-        won: list[tuple[Job, Claim]] = []
-        for (job, _, _), claim in zip(batch, claims, strict=True):
+        won: list[tuple[Job, Claim, bool]] = []
+        for (job, _, catch_up), claim in zip(batch, claims, strict=True):
             if claim.won:
-                won.append((job, claim))
+                won.append((job, claim, catch_up))
                 continue
             self.metrics.lost(job.name)
             logger.debug("anarchon: lost %s @ %s (%s)", job.name, _iso(claim.slot_ms), claim.reason)
             if claim.reason == "taken":
                 self._plan_take_over(job, claim.slot_ms, now_ms)
-        self._send_all(won, claimed_at)
+        sent = self._send_all(won, claimed_at)
         self._flush_marks()
         if self._backend_ready:
-            self._measure(len(batch), sending - started, len(won), time.monotonic() - sending)
+            self._measure(len(batch), sending - started, sent, time.monotonic() - sending)
 
-    def _send_all(self, won: Sequence[tuple[Job, Claim]], claimed_at: float) -> None:
-        """Send won claims in order, recording ``sent`` in chunks. Should the
-        batch still be sending past half the shortest lease, whether the
-        rest is still held is read in one batched call first."""
-        shortest = min((job.options.lease_ttl for job, _ in won), default=0.0)
-        checked = False
-        for index, (job, claim) in enumerate(won):
-            if not checked and self._clock() - claimed_at > shortest / 2:
-                checked = True
-                rest = [c for _, c in won[index:]]
-                self._holds = dict(
-                    zip(
-                        [(c.job, c.slot_ms, c.token) for c in rest],
-                        self._read_holding(rest),
-                        strict=True,
-                    )
-                )
+    def _send_all(self, won: Sequence[tuple[Job, Claim, bool]], claimed_at: float) -> int:
+        """Send won ``(job, claim, catch_up)`` claims in order, recording
+        ``sent`` in chunks; how many were sent. Should sending run past
+        ``lease_ttl / RELEASE_SHARE`` (the shortest lease of the batch; this
+        instance is slower than measured, e.g. a loaded machine), the rest
+        is given back (:meth:`_give_back`) instead of being sent on a lease
+        running short."""
+        budget = min((job.options.lease_ttl for job, _, _ in won), default=0.0) / RELEASE_SHARE
+        for index, (job, claim, _) in enumerate(won):
+            if self._clock() - claimed_at > budget:
+                self._give_back(won[index:])
+                return index
             self._send(job, claim, claimed_at)
-        self._holds = {}
+        return len(won)
+
+    def _give_back(self, rest: Sequence[tuple[Job, Claim, bool]]) -> None:
+        """Release claims this batch could not send in time (fenced: see
+        :meth:`Backend.release`) and plan them as claims due now, so this
+        instance or another claims them afresh, with a full lease. If the
+        release fails they stay claimed, and a backup takes them over when
+        their lease ends."""
+        assert self._backend is not None
+        claims = [claim for _, claim, _ in rest]
+        for job, claim, _ in rest:
+            self._held.pop((job.name, claim.slot_ms), None)
+        try:
+            self._backend.release(claims)
+        except BackendUnavailable as exc:
+            self._on_outage(exc)
+        except Exception:
+            logger.exception("anarchon: releasing %d claim(s) failed", len(claims))
+        for job, claim, catch_up in rest:
+            kind = CATCH_UP if catch_up else CLAIM
+            self._push_event(claim.slot_ms, kind, job.name, claim.slot_ms)
+        logger.info(
+            "anarchon: gave %d claimed slot(s) back to be claimed afresh: this instance sent "
+            "slower than measured, and their leases would run short",
+            len(claims),
+        )
 
     def _claim_limit(self, to_claim: Sequence[tuple[Job, int, bool]]) -> int:
         """The most slots to claim in one batch: as many as this instance
@@ -897,12 +920,15 @@ class Scheduler(beat.Scheduler):
             return len(to_claim)
         lease_s = min(job.options.lease_ttl for job, _, _ in to_claim)
         per_slot = (self._claim_cost or 0.0) + (self._send_cost or FIRST_SEND_COST)
-        return max(MIN_CLAIM_BATCH, int(lease_s / LEASE_SHARE / per_slot))
+        return min(MAX_CLAIM_BATCH, max(MIN_CLAIM_BATCH, int(lease_s / LEASE_SHARE / per_slot)))
 
     def _measure(self, claimed: int, claim_s: float, sent: int, send_s: float) -> None:
         """Fold one batch (``claimed`` slots claimed in ``claim_s`` seconds,
         ``sent`` of them sent and recorded in ``send_s``) into the measured
-        costs per slot (moving averages; small batches are not measured)."""
+        costs per slot (small batches are not measured). A cost that rose
+        is taken at once, one that fell is averaged in: a slowdown (other
+        instances started sending, the machine got busy) shrinks the next
+        batch at once."""
         if claimed >= MIN_CLAIM_BATCH:
             self._claim_cost = _average(self._claim_cost, claim_s / claimed)
         if sent >= MIN_SENDS_MEASURED:
@@ -1346,15 +1372,13 @@ class Scheduler(beat.Scheduler):
     def _still_holds(self, claim: Claim) -> bool:
         """True when ``claim`` is still held: its token is the slot's current
         one, the run is still ``claimed``, and its lease ends more than a
-        tenth of the lease after the backend's now. Answered from the
-        batch's one :meth:`Backend.holding` read (:meth:`_send_all`) when it
-        made one, else with one read of its own; False when the backend
-        does not answer."""
+        tenth of the lease after the backend's now: one
+        :meth:`Backend.holding` read (a key read, not the job's history);
+        False when the backend does not answer. (A batch gives back what it
+        could not send by a third of the lease, :meth:`_send_all`, so this is
+        asked only of a send that stalled on its own.)"""
         if self._backend is None or not self._backend.supports_leases:
             return True
-        known = self._holds.pop((claim.job, claim.slot_ms, claim.token), None)
-        if known is not None:
-            return known
         return self._read_holding([claim])[0]
 
     def _read_holding(self, claims: Sequence[Claim]) -> list[bool]:
@@ -1839,14 +1863,15 @@ class Scheduler(beat.Scheduler):
         return int(self._clock() * 1000)
 
 
-def _average(old: float | None, sample: float) -> float:
-    """A moving average: half the old value, half the new sample."""
-    return sample if old is None else (old + sample) / 2
-
-
 def _without_jobs(info: InstanceInfo) -> InstanceInfo:
     """``info`` without its definitions: a heartbeat's payload."""
     return dataclasses.replace(info, jobs={})
+
+
+def _average(old: float | None, sample: float) -> float:
+    """A cost's new estimate: the sample when it is higher (or the first),
+    else the mean of the old estimate and the sample."""
+    return sample if old is None or sample > old else (old + sample) / 2
 
 
 def _iso(ms: int) -> str:

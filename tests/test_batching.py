@@ -249,3 +249,46 @@ def test_sent_marks_lost_to_an_outage_are_retried(
         s.close()
         if backup is not None:
             backup.close()
+
+
+def test_a_batch_sending_slower_than_its_lease_allows_gives_the_rest_back(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Each send takes 0.1 s of the scheduler's clock and the lease is 1.2 s:
+    # a batch may send for 0.4 s (a third of the lease), then releases the
+    # rest, which is claimed afresh (a full lease each time) and sent.
+    app = make_app(sqlite_url, 20, 10.0, anarchon_lease_ttl=1.2)
+    slot = next_slot(10.0)
+    clock = Clock(slot - 0.5)
+    s = Scheduler(app, clock=clock)
+    real_send = scheduler_module.send_slot
+
+    def slow_send(*args: Any, **kwargs: Any) -> Any:
+        clock.now += 0.1
+        return real_send(*args, **kwargs)
+
+    batches: list[int] = []
+    released: list[int] = []
+    try:
+        assert s.backend is not None
+        spy(s.backend, "claim", batches, lambda requests: len(requests))
+        spy(s.backend, "release", released, lambda claims: len(claims))
+        monkeypatch.setattr(scheduler_module, "send_slot", slow_send)
+        clock.now = slot + 0.1
+        sent_slots_seen: list[tuple[str, int]] = []
+
+        def all_sent() -> bool:
+            sent_slots_seen.extend(sent_slots(app))
+            return len(sent_slots_seen) >= 20
+
+        with caplog.at_level("INFO", logger="celery_anarchon.scheduler"):
+            tick_until(s, all_sent)
+        slot_ms = int(slot * 1000)
+        assert sorted(sent_slots_seen) == [(f"job-{i:04d}", slot_ms) for i in range(20)]
+        assert batches[0] == 20 and len(batches) >= 3 and released and released[0] >= 10
+        assert "claimed afresh" in caplog.text
+        for i in range(20):
+            [record] = s.backend.history(f"job-{i:04d}")
+            assert record.state is State.SENT
+    finally:
+        s.close()
