@@ -379,6 +379,22 @@ def test_trims_wait_for_housekeeping_once_it_is_called(make: Make, job: str) -> 
     assert [r.slot_ms for r in backend.history(job)] == slots[:-3:-1]
 
 
+def test_a_trim_waits_for_housekeeping_a_bounded_time(
+    make: Make, job: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = make()
+    backend.housekeep(0)  # then the caller never calls it again
+    monkeypatch.setattr(sql, "MAX_TRIM_WAIT_S", 0.2)
+    now = backend.now_ms()
+    slots = [now - 50_000 + i * 1000 for i in range(4)]
+    for slot in slots[:3]:
+        backend.claim([ClaimRequest(job, slot, 60_000, 10_000, slot + 1, history_size=2)])
+    assert len(backend.history(job)) == 3  # waiting for housekeeping
+    time.sleep(0.3)
+    backend.claim([ClaimRequest(job, slots[3], 60_000, 10_000, slots[3] + 1, history_size=2)])
+    assert [r.slot_ms for r in backend.history(job)] == slots[:-3:-1]  # trimmed by the write
+
+
 def test_a_bursts_jobs_are_trimmed_in_different_rounds(make: Make, job: str) -> None:
     backend = make()
     backend.housekeep(0)

@@ -92,9 +92,11 @@ PING_AFTER_IDLE_S = 1.0
 #: Jobs trimmed per transaction by :meth:`SQLBackend.housekeep`.
 TRIM_CHUNK = 50
 
-#: Most jobs whose trim waits for :meth:`SQLBackend.housekeep`; past it, a
-#: write trims the oldest waiting ones itself.
+#: Most jobs whose trim waits for :meth:`SQLBackend.housekeep`, and the
+#: longest one waits, seconds; past either, a write trims the oldest waiting
+#: ones itself (a caller that stopped housekeeping never lets a history grow).
 MAX_DEFERRED_TRIMS = 20_000
+MAX_TRIM_WAIT_S = 60.0
 
 #: ``CLIENT_FOUND_ROWS``, bit 2 of the MySQL client capability flags
 #: (https://dev.mysql.com/doc/dev/mysql-server/latest/group__group__cs__capabilities__flags.html).
@@ -429,8 +431,9 @@ class SQLBackend(Backend):
         self._pid = os.getpid()
         self._ready = False
         self._writes: dict[str, int] = {}
-        #: job key -> (history_size, history_ttl_ms) of trims left to housekeep()
-        self._trims_due: dict[str, tuple[int, int]] = {}
+        #: job key -> (history_size, history_ttl_ms, waiting since (monotonic
+        #: seconds)) of trims left to housekeep(), oldest first
+        self._trims_due: dict[str, tuple[int, int, float]] = {}
         self._housekept = False
         if client is not None:
             if not isinstance(client, Engine):
@@ -1277,8 +1280,9 @@ class SQLBackend(Backend):
         then at every ``every``-th: jobs written together (a burst) are
         trimmed in different rounds, and a new job's first writes never are.
         Once :meth:`housekeep` has been called, due trims wait for its next
-        call (up to :data:`MAX_DEFERRED_TRIMS` jobs; beyond that, the
-        oldest are trimmed here). A failed trim is logged, never raised."""
+        call: at most :data:`MAX_DEFERRED_TRIMS` jobs for at most
+        :data:`MAX_TRIM_WAIT_S` seconds; a write that finds more, or older,
+        trims those itself. A failed trim is logged, never raised."""
         due: dict[str, tuple[int, int]] = {}
         for job, size, ttl_ms in writes:
             every = _trim_every(size)
@@ -1292,11 +1296,19 @@ class SQLBackend(Backend):
         if not self._housekept:
             self._trim_now(due)
             return
-        self._trims_due.update(due)
-        excess = len(self._trims_due) - MAX_DEFERRED_TRIMS
-        if excess > 0:
-            oldest = list(self._trims_due)[:excess]
-            self._trim_now({job: self._trims_due.pop(job) for job in oldest})
+        now = time.monotonic()
+        for job, (size, ttl_ms) in due.items():
+            waiting = self._trims_due.get(job)
+            self._trims_due[job] = (size, ttl_ms, waiting[2] if waiting else now)
+        # Oldest first (a job keeps its place while it waits): the overdue
+        # and the excess are at the head.
+        overdue = itertools.takewhile(
+            lambda job: now - self._trims_due[job][2] > MAX_TRIM_WAIT_S, self._trims_due
+        )
+        count = max(len(list(overdue)), len(self._trims_due) - MAX_DEFERRED_TRIMS)
+        if count > 0:
+            oldest = list(itertools.islice(self._trims_due, count))
+            self._trim_now({job: self._trims_due.pop(job)[:2] for job in oldest})
 
     def housekeep(self, budget_s: float = 0.5) -> None:
         """Run the history trims that writes left due, for about
@@ -1310,7 +1322,7 @@ class SQLBackend(Backend):
         while self._trims_due and time.monotonic() < deadline:
             jobs = list(itertools.islice(self._trims_due, TRIM_CHUNK))
             chunk = {job: self._trims_due.pop(job) for job in jobs}
-            if not self._trim_now(chunk):
+            if not self._trim_now({job: waiting[:2] for job, waiting in chunk.items()}):
                 self._trims_due.update(chunk)
                 return
 
