@@ -5,8 +5,9 @@ pytest-xdist's ``--dist loadgroup`` groups tests marked ``xdist_group`` by
 renaming their node ids on the workers (``item._nodeid``), which pytest 9 no
 longer reads, so every test ran as a group of its own and three campaign
 rows (each three beats and a worker) ran at once beside the rest of the
-suite on two cores. This scheduler puts the campaign's test files in one
-group by node id instead, decided where tests are scheduled, and leaves
+suite on two cores. This scheduler (for ``-n N`` with the default
+``--dist load``, or ``--dist loadgroup``) puts the campaign's test files in
+one group by node id instead, decided where tests are scheduled, and leaves
 every other test its own unit (as ``--dist load`` does); ``loadgroup``'s
 default ordering sends the largest group, the campaign, out first.
 """
@@ -33,9 +34,11 @@ def group_of(nodeid: str) -> str:
     return nodeid
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # a hook of pytest-xdist
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    if config.getvalue("dist") != "loadgroup":
+    # "load" is what -n picks by default: no --dist in addopts, which would
+    # break every run without xdist (-p no:xdist).
+    if config.getvalue("dist") not in ("load", "loadgroup"):
         return None
     from xdist.scheduler import LoadGroupScheduling
 
