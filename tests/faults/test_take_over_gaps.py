@@ -1,0 +1,73 @@
+"""An open defect the lease table found (docs/reliability.md, "Lease faults"):
+"kill-9 in send" on Redis left a slot ``claimed`` by a killed beat, never
+taken over, never sent and never recorded.
+
+Only the first two instances of a slot's rendezvous order plan a take-over
+check after losing it (``Scheduler._plan_take_over``), and the registry lists
+a killed instance for ``registry_ttl``: when both are dead, no live instance
+checks the slot, and its ``claimed`` record keeps it from being recorded
+``missed`` later. Deterministic here: four schedulers in one process, a
+hand-moved clock, the two first of the slot's order "dead" (never ticked
+again). Strict expected failure: a fix makes it pass, and it must then lose
+the mark.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from celery_anarchon.scheduler import Scheduler
+
+from ..conftest import POSTGRES_URL, REDIS_URL, require_service
+from ..test_lease_features import Clock, make_app, sent_slots
+
+pytestmark = pytest.mark.services
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: no take-over when the slot's two first rendezvous instances are dead "
+    "(reported; scheduler.py is not the campaign's to change)",
+)
+@pytest.mark.parametrize("backend", ["sqlite", "redis"])
+def test_take_over_when_the_two_first_of_the_order_are_dead(backend: str, tmp_path: Path) -> None:
+    if backend != "sqlite":
+        require_service(backend)
+    url = {
+        "sqlite": f"sqlite:///{tmp_path / 'claims.db'}",
+        "postgresql": POSTGRES_URL,
+        "redis": REDIS_URL,
+    }[backend]
+    now = int(time.time())
+    slot = now + 2
+    schedule = {"j": {"task": "t.j", "schedule": 3600.0, "anarchon": {"anchor": slot}}}
+    app = make_app(url, schedule, anarchon_jitter=1, anarchon_max_late=30, anarchon_lease_ttl=1)
+    clock = Clock(float(now))
+    schedulers = [Scheduler(app, clock=clock) for _ in range(4)]
+    try:
+        for s in schedulers:
+            s.tick()  # registers
+        for s in schedulers:
+            s._next_heartbeat = 0
+            s.tick()  # reads every peer
+            s._plan_first_slots()
+        assert all(len(s._peers) == 4 for s in schedulers)
+        first, second, third, fourth = sorted(schedulers, key=lambda s: s._rank("j", slot * 1000))
+        request = first.jobs["j"].claim_request(slot * 1000, 10)
+        assert first.backend is not None
+        assert first.backend.claim([request])[0].won  # then it dies unsent; so does `second`
+        clock.now = slot + 1.5  # the two live ones lose the slot
+        third.tick()
+        fourth.tick()
+        assert sent_slots(app) == []
+        time.sleep(1.3)  # the dead owner's lease (1 s, backend clock) ends
+        clock.now = slot + 4.0
+        third.tick()
+        fourth.tick()
+        assert sent_slots(app) == [("j", slot * 1000)]
+    finally:
+        for s in schedulers:
+            s.close()
