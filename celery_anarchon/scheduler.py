@@ -133,6 +133,21 @@ MAX_UNMARKED = 100_000
 #: Take-over checks fall due on multiples of this, milliseconds (batched).
 TAKE_OVER_GRAIN_MS = 500
 
+#: The instances of a slot's rendezvous order (0 = preferred) that check a
+#: lost slot at once when its lease ends (ranks 0 and 1), one heartbeat
+#: period later (rank 2), whatever the registry says. A later rank ``r``
+#: checks ``r - 1`` heartbeat periods after the lease's end (at the last
+#: chance before ``max_late`` at the latest) only if an instance it saw live
+#: when it lost the slot has left the registry or stopped heartbeating by
+#: then; so a healthy cluster spends at most three checks per slot, and the
+#: slot is still checked whoever died.
+TAKE_OVER_RANKS = 3
+
+#: A peer whose last heartbeat is this much older than the newest one in the
+#: registry counts as dead (for rendezvous ranks and take-over checks) before
+#: the registry drops it, seconds.
+PEER_STALE = 2 * HEARTBEAT_INTERVAL
+
 #: A batch of claims holds at most what this instance claims and sends in
 #: ``lease_ttl / LEASE_SHARE`` at its measured rate, so every claim of it is
 #: sent long before its lease ends (a backup would take the rest over); the
@@ -484,6 +499,9 @@ class Scheduler(beat.Scheduler):
         )
         #: slots lost to another owner and due a take-over check: (job, slot)
         self._take_over_due: set[tuple[str, int]] = set()
+        #: of those, the ones this instance checks only if a peer died (its
+        #: rank is TAKE_OVER_RANKS or later): the peers it saw live when it lost
+        self._take_over_gated: dict[tuple[str, int], list[str]] = {}
         #: sent slots not yet recorded ``sent``: (job, claim, task id, retry
         #: until ms), and when the oldest was queued (time.monotonic())
         self._unmarked: list[tuple[Job, Claim, str, int]] = []
@@ -986,77 +1004,108 @@ class Scheduler(beat.Scheduler):
 
     # -- backup runners ----------------------------------------------------
 
-    def _plan_take_over(self, job: Job, slot_ms: int, now_ms: int) -> None:
-        """After losing ``slot_ms``, plan to check it once the winner's lease
-        ends: if the winner died before recording its send, this instance
-        takes the slot over. When that lease outlives ``max_late``, only a
-        hand-over is checked for (the owner leaving the registry releases
-        the slot on shutdown, :meth:`Scheduler._hand_over`).
+    def _plan_take_over(self, job: Job, slot_ms: int, now_ms: int, *, again: bool = False) -> None:
+        """After losing ``slot_ms`` (or, ``again``, after a take-over check
+        found another holder's lease still running), plan to check it once
+        that lease ends: if its holder died before recording its send, this
+        instance takes the slot over. When the lease outlives ``max_late``,
+        the check falls just after ``max_late`` and records the slot
+        ``lost`` if its lease ended unsent (:meth:`_record_lost_claims`).
 
-        With a registry, only the two first instances of the slot's
-        rendezvous order check (whichever of them lost): the winner is
-        usually one of them, and the other then checks; so a healthy cluster
-        spends at most two checks per slot, not one per instance."""
+        With a registry, the slot's rendezvous order staggers the checks:
+        ranks 0 and 1 check at the lease's end (plus a random part of the
+        jitter), rank 2 one heartbeat period later, a later rank ``r``
+        ``r - 1`` periods later (at the last chance before ``max_late`` at
+        the latest) and only if one of the peers it saw live has died by
+        then (:data:`TAKE_OVER_RANKS`). A second check (``again``) falls at
+        the lease's end whatever the rank."""
         backend = self._backend
         if backend is None or not backend.supports_leases:
             return
-        if len(self._peers) > 2 and self._rank(job.name, slot_ms) > 1:
-            return
+        key = (job.name, slot_ms)
+        rank = 0 if again or len(self._peers) < 2 else self._rank(job.name, slot_ms)
         lease_ms = _ms(job.options.lease_ttl)
         last_ms = slot_ms + _ms(job.options.max_late)
-        # Due a check at once should the owner leave the registry (it hands
-        # the slot over on shutdown), until max_late; forgotten after.
-        self._take_over_due.add((job.name, slot_ms))
+        # Due a check at once should a peer leave the registry (it hands
+        # the slot over on shutdown, or died), until max_late.
+        self._take_over_due.add(key)
+        if rank >= TAKE_OVER_RANKS:
+            self._take_over_gated[key] = self._peers
+        else:
+            self._take_over_gated.pop(key, None)
         if now_ms + lease_ms > last_ms:
-            # The lease outlives max_late: no check at its end, only the
-            # hand-over one; this event just forgets the slot.
+            # The lease outlives max_late: checked just after it (recorded
+            # lost if the lease ended unsent), or at once on a hand-over.
             self._push_event(last_ms + 1, TAKE_OVER, job.name, slot_ms)
             return
         delay_ms = self._random.randint(0, _ms(job.options.jitter) or 1)
+        stage_ms = max(rank - 1, 0) * _ms(HEARTBEAT_INTERVAL)
+        last_chance_ms = max(now_ms + lease_ms, last_ms - TAKE_OVER_GRAIN_MS)
+        due_ms = min(now_ms + lease_ms + delay_ms + stage_ms, last_chance_ms)
         # Rounded up to TAKE_OVER_GRAIN_MS, so the checks of one round fall
         # due together and go to the backend as a few batches, not one each.
-        due_ms = -(-(now_ms + lease_ms + delay_ms) // TAKE_OVER_GRAIN_MS) * TAKE_OVER_GRAIN_MS
-        self._push_event(due_ms, TAKE_OVER, job.name, slot_ms)
+        due_ms = -(-due_ms // TAKE_OVER_GRAIN_MS) * TAKE_OVER_GRAIN_MS
+        self._push_event(min(due_ms, last_ms), TAKE_OVER, job.name, slot_ms)
 
     def _check_take_overs_now(self) -> None:
-        """An instance left the registry (hand-over on shutdown): check the
-        slots this instance backs up at once instead of at lease expiry."""
+        """A peer left the registry (hand-over on shutdown) or stopped
+        heartbeating: check the slots this instance backs up at once
+        instead of at lease expiry."""
         now_ms = self._now_ms()
         for name, slot_ms in self._take_over_due:
             self._push_event(now_ms, TAKE_OVER, name, slot_ms)
+
+    def _peer_died(self, seen: Sequence[str]) -> bool:
+        """True when a peer of ``seen`` (instance ids) has left the registry
+        or stopped heartbeating (see :data:`PEER_STALE`) since."""
+        live = set(self._peers)
+        return any(peer not in live for peer in seen)
 
     def _take_over(self, due: Sequence[tuple[Job, int]], now_ms: int) -> None:
         """Check the ``(job, slot)`` take-overs due in this round with one
         batched call (:meth:`Backend.take_over_many`: slots already sent
         are answered from one read) and send the slots taken over. A slot
-        past ``max_late`` is dropped; one the backend did not answer stays
-        due a check (at once if an instance leaves the registry)."""
+        whose lease another holder still has (``"held"``: maybe a backup
+        that took it over) is checked again at that lease's end. A slot past
+        ``max_late`` goes to :meth:`_record_lost_claims`. A check of a late
+        rank (:data:`TAKE_OVER_RANKS`) is made only once a peer died, else
+        moved a heartbeat period on, and dropped at ``max_late``. One the
+        backend did not answer stays due a check (at once if an instance
+        leaves the registry)."""
         assert self._settings is not None and self._backend is not None
         todo: list[tuple[Job, int]] = []
+        late: list[tuple[Job, int]] = []
         for job, slot_ms in due:
-            if now_ms > slot_ms + _ms(job.options.max_late):
-                self._take_over_due.discard((job.name, slot_ms))
-            else:
-                todo.append((job, slot_ms))
+            key = (job.name, slot_ms)
+            if key not in self._take_over_due:
+                continue  # settled by an earlier check
+            last_ms = slot_ms + _ms(job.options.max_late)
+            seen = self._take_over_gated.get(key)
+            if seen is not None and not self._peer_died(seen):
+                if now_ms + _ms(HEARTBEAT_INTERVAL) < last_ms:
+                    self._push_event(now_ms + _ms(HEARTBEAT_INTERVAL), TAKE_OVER, *key)
+                else:  # every peer it saw is alive: they check it
+                    self._take_over_due.discard(key)
+                    self._take_over_gated.pop(key, None)
+                continue
+            (late if now_ms > last_ms else todo).append((job, slot_ms))
+        if late:
+            self._record_lost_claims(late, now_ms)
         if not todo or not self._backend_ready:
             return
         requests = [job.claim_request(slot, self._settings.max_skew) for job, slot in todo]
-        try:
-            claims = self._backend.take_over_many(requests)
-        except BackendUnavailable as exc:
-            self._on_outage(exc)
-            return
-        except Exception:
-            logger.exception("anarchon: take-over of %d slot(s) failed", len(todo))
-            return
-        if len(claims) != len(todo):
-            logger.error("anarchon: backend answered %d of %d take-overs", len(claims), len(todo))
+        claims = self._take_over_many(requests)
+        if claims is None:
             return
         claimed_at = self._clock()
         for (job, slot_ms), claim in zip(todo, claims, strict=True):
             if claim.reason == "unknown":
                 continue
+            if claim.reason == "held":
+                self._plan_take_over(job, slot_ms, now_ms, again=True)
+                continue
             self._take_over_due.discard((job.name, slot_ms))
+            self._take_over_gated.pop((job.name, slot_ms), None)
             if claim.won:
                 self.metrics.superseded(job.name)
                 logger.warning(
@@ -1066,6 +1115,63 @@ class Scheduler(beat.Scheduler):
                     claim.token,
                 )
                 self._send(job, claim, claimed_at)
+
+    def _take_over_many(self, requests: Sequence[ClaimRequest]) -> list[Claim] | None:
+        """:meth:`Backend.take_over_many`, or None (logged) without a full answer."""
+        assert self._backend is not None
+        try:
+            claims = self._backend.take_over_many(requests)
+        except BackendUnavailable as exc:
+            self._on_outage(exc)
+            return None
+        except Exception:
+            logger.exception("anarchon: take-over of %d slot(s) failed", len(requests))
+            return None
+        if len(claims) != len(requests):
+            logger.error(
+                "anarchon: backend answered %d of %d take-overs", len(claims), len(requests)
+            )
+            return None
+        return claims
+
+    def _record_lost_claims(self, due: Sequence[tuple[Job, int]], now_ms: int) -> None:
+        """Slots past ``max_late`` that this instance backs up: one still
+        ``claimed`` whose lease ended (its holder died before recording a
+        send, maybe after publishing) is taken over (fenced, with a claim
+        window reaching back to it) and recorded ``lost``, never sent; so
+        the slot is on the record, and no later claim can take it. One whose
+        holder's lease still runs is checked again at its end; the others
+        (sent, recorded) are forgotten."""
+        assert self._backend is not None
+        if not self._backend_ready:
+            return
+        requests = [self._catch_up_request(job, slot_ms, now_ms) for job, slot_ms in due]
+        claims = self._take_over_many(requests)
+        if claims is None:
+            return
+        for (job, slot_ms), claim in zip(due, claims, strict=True):
+            key = (job.name, slot_ms)
+            if claim.reason == "unknown":
+                continue
+            if claim.reason == "held":
+                retry_ms = now_ms + _ms(job.options.lease_ttl) + TAKE_OVER_GRAIN_MS
+                self._push_event(retry_ms, TAKE_OVER, job.name, slot_ms)
+                continue
+            self._take_over_due.discard(key)
+            self._take_over_gated.pop(key, None)
+            if not claim.won:
+                continue
+            error = "its owner's lease ended before it recorded a send; past max_late"
+            if self._mark(claim, State.LOST, error=error):
+                self.metrics.missed(job.name, 1)
+                logger.warning(
+                    "anarchon: recorded %s @ %s lost: its owner's lease ended before it "
+                    "recorded a send, and max_late=%ss has passed (token %s)",
+                    job.name,
+                    _iso(slot_ms),
+                    job.options.max_late,
+                    claim.token,
+                )
 
     # -- overlap protection ------------------------------------------------
 
@@ -1652,7 +1758,12 @@ class Scheduler(beat.Scheduler):
         except Exception:
             logger.exception("anarchon: registry heartbeat failed")
             return
-        peers = sorted({info.instance for info in live} | {self.instance_id})
+        # A peer that stopped heartbeating counts as dead before the registry
+        # drops it (a beat killed with SIGKILL stays listed for registry_ttl).
+        newest = max((info.heartbeat_ms for info in live), default=0)
+        stale_ms = _ms(PEER_STALE)
+        fresh = {info.instance for info in live if newest - info.heartbeat_ms <= stale_ms}
+        peers = sorted(fresh | {self.instance_id})
         if set(self._peers) - set(peers):
             self._check_take_overs_now()
         self._peers = peers

@@ -416,7 +416,7 @@ def test_window_and_lease_follow_the_server_clock(
     assert inside.won
     assert (late.reason, early.reason, by_host_clock.reason) == ("window",) * 3
     # A lease of 30 s has not run out by the server's clock, whatever the host says.
-    assert backend.take_over(request(job, server_now - 50_000)).reason == "taken"
+    assert backend.take_over(request(job, server_now - 50_000)).reason == "held"
 
 
 # -- fencing: take-over, release, mark ---------------------------------------
@@ -426,7 +426,7 @@ def test_take_over_after_the_lease_expires(make: Callable[..., RedisBackend]) ->
     a, b, job = make("host-a"), make("host-b"), job_name()
     slot = a.now_ms()
     first = a.claim([request(job, slot, lease_ms=30_000)])[0]
-    assert b.take_over(request(job, slot)).reason == "taken"  # lease still running
+    assert b.take_over(request(job, slot)).reason == "held"  # lease still running
 
     other = job_name()
     held = a.claim([request(other, slot, lease_ms=1)])[0]

@@ -433,7 +433,7 @@ def test_take_over_refuses_a_running_lease_and_a_sent_run(make: Make, job: str) 
     a, b = make("host-a"), make("host-b")
     req = request_for(job, a.now_ms())
     claim = a.claim([req])[0]
-    assert (b.take_over(req).won, b.take_over(req).reason) == (False, "taken")
+    assert (b.take_over(req).won, b.take_over(req).reason) == (False, "held")
     a.mark(claim, State.SENT, task_id="t")
     expired = request_for(job, req.slot_ms, lease_ms=0)
     assert not b.take_over(expired).won

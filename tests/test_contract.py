@@ -442,7 +442,7 @@ def test_take_over_many_answers_each_slot(make_backend: BackendFactory, job: str
     a.release([released])
     answers = b.take_over_many(requests)
     assert [c.slot_ms for c in answers] == slots
-    assert [(c.won, c.reason) for c in answers[:2]] == [(False, "taken"), (False, "taken")]
+    assert [(c.won, c.reason) for c in answers[:2]] == [(False, "taken"), (False, "held")]
     assert answers[2].won and isinstance(answers[2].token, int)
     assert b.mark(answers[2], State.SENT, task_id="backup")
     assert a.mark(live, State.SENT, task_id="owner")
@@ -463,6 +463,33 @@ def test_take_over_many_takes_expired_leases_only(make_backend: BackendFactory, 
     assert not a.mark(first, State.SENT, task_id="late")  # superseded: fenced
     states = [(r.slot_ms, r.state) for r in b.history(job)]
     assert (slots[0], State.SUPERSEDED) in states and (slots[0], State.CLAIMED) in states
+
+
+def test_take_over_answers_held_while_a_backups_lease_runs(
+    make_backend: BackendFactory, job: str
+) -> None:
+    """A backup that took a slot over and died before its send leaves a
+    ``claimed`` record with a new lease: another backup is told ``"held"``
+    (check again at that lease's end), then takes it over once it ended."""
+    a, b, c = make_backend("host-a"), make_backend("host-b"), make_backend("host-c")
+    lease_only(a)
+    slot = slots_from(a, 1)[0]
+    short = request_for(a, job, slot, lease_ms=1)
+    first = a.claim([short])[0]
+    assert first.won
+    time.sleep(0.05)
+    backup = b.take_over(request_for(b, job, slot, lease_ms=300))
+    assert backup.won and backup.token == 2
+    assert [(x.won, x.reason) for x in (c.take_over(short), *c.take_over_many([short]))] == [
+        (False, "held"),
+        (False, "held"),
+    ]
+    time.sleep(0.4)  # the backup's lease ends: it died before its send
+    third = c.take_over_many([short])[0]
+    assert third.won and third.token == 3
+    assert c.mark(third, State.SENT, task_id="third")
+    assert [(x.won, x.reason) for x in c.take_over_many([short])] == [(False, "taken")]
+    assert not b.mark(backup, State.SENT, task_id="late")  # fenced out
 
 
 def test_holding_reads_token_state_and_lease(make_backend: BackendFactory, job: str) -> None:

@@ -122,8 +122,10 @@ class Claim:
             takeover of the same slot; a string on claim-only backends);
             None when lost.
         reason: why the claim was lost: ``"taken"`` (another instance holds
-            or held it), ``"window"`` (outside the claim window),
-            ``"unknown"`` (no answer: the outcome cannot be known), or ``""``.
+            or held it), ``"held"`` (:meth:`Backend.take_over` only: the
+            slot is still ``claimed`` and its lease has not ended),
+            ``"window"`` (outside the claim window), ``"unknown"`` (no
+            answer: the outcome cannot be known), or ``""``.
     """
 
     job: str
@@ -373,8 +375,12 @@ class Backend(abc.ABC):
         claimed as by :meth:`claim`. Claim-only backends never take over.
 
         Returns:
-            won with the new token, or lost (``"taken"``: sent, lease still
-            running, or another backup was first; ``"window"``).
+            won with the new token, or lost: ``"held"`` when the slot is
+            still ``claimed`` with its lease running (its holder, maybe
+            another backup that took it over first, may still send it; the
+            scheduler checks again when that lease ends), ``"taken"`` when
+            it was sent (or moved further, or is a manual run),
+            ``"window"`` outside the claim window.
         Raises:
             BackendUnavailable: no answer.
         """

@@ -215,9 +215,11 @@ return token
 # KEYS[2] - history records  {PJ}:runs
 # KEYS[3] - history index    {PJ}:index
 # ARGV[1..8] - as for LUA_CLAIM_SCRIPT
-# return the new fencing token (old + 1) when taken over, 0 when the slot is
-# not a scheduled run in state 'claimed' with an expired lease, -1 when
-# outside the window. The old record stays in history as 'superseded'. A
+# return the new fencing token (old + 1) when taken over, -2 when the slot
+# is a scheduled run still 'claimed' whose lease has not ended yet (its
+# holder may still send it: check again at the lease's end), 0 when it is
+# not 'claimed' (sent, or further) or a manual run, -1 when outside the
+# window. The old record stays in history as 'superseded'. A
 # slot with no record and no live claim (never claimed, or released on
 # hand-over) is claimed as by LUA_CLAIM_SCRIPT.
 LUA_TAKE_OVER_SCRIPT = """
@@ -245,8 +247,11 @@ if not raw then
     return token
 end
 local run = cjson.decode(raw)
-if run.state ~= 'claimed' or run.manual_key or (run.lease_until_ms or 0) > now then
+if run.state ~= 'claimed' or run.manual_key then
     return 0
+end
+if (run.lease_until_ms or 0) > now then
+    return -2
 end
 local old = run.token
 local keep_until = math.max(tonumber(ARGV[5]), run.keep_until_ms or 0)
@@ -814,8 +819,9 @@ class RedisBackend(Backend):
             a won :class:`Claim` with token ``old + 1`` when the slot's
             record is ``claimed`` (never marked sent) and its lease expired
             by the server's clock; the old record becomes ``superseded``.
-            Otherwise lost with ``"taken"`` (not claimed, already sent, lease
-            still running, or a manual run) or ``"window"``.
+            Otherwise lost with ``"held"`` (still ``claimed``, its lease
+            still running), ``"taken"`` (already sent, or a manual run) or
+            ``"window"``.
         Raises:
             BackendUnavailable: no answer.
         """
@@ -1363,7 +1369,7 @@ def _claim_answer(request: ClaimRequest, reply: Any) -> Claim:
     token = int(reply)
     if token > 0:
         return Claim(request.job, request.slot_ms, won=True, token=token)
-    reason = "window" if token < 0 else "taken"
+    reason = {-1: "window", -2: "held"}.get(token, "taken")
     return Claim(request.job, request.slot_ms, won=False, reason=reason)
 
 

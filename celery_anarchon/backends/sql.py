@@ -642,8 +642,10 @@ class SQLBackend(Backend):
 
         Returns:
             won with token ``old + 1`` (or 1); lost with ``"window"`` outside
-            the claim window, ``"taken"`` otherwise (sent, lease running,
-            manual run, or another instance took it over first).
+            the claim window, ``"held"`` when the record is still
+            ``claimed`` with its lease running (its holder, maybe a backup
+            that took it over first, may still send it), ``"taken"``
+            otherwise (sent, or a manual run).
         Raises:
             BackendUnavailable: no answer.
         """
@@ -666,12 +668,10 @@ class SQLBackend(Backend):
             won = self._insert_if_absent(conn, runs, self._claim_row(request, now, token=1))
             return self._answer(request, won, token=1)
         keep_until_ms = max(request.keep_until_ms, int(current.keep_until_ms))
-        expired = (
-            current.state == State.CLAIMED.value
-            and current.manual_key is None
-            and (current.lease_until_ms or 0) < now
-        )
-        if not expired or not self._supersede(conn, current, now, keep_until_ms):
+        scheduled_claim = current.state == State.CLAIMED.value and current.manual_key is None
+        if scheduled_claim and (current.lease_until_ms or 0) >= now:
+            return _lost(request.job, request.slot_ms, "held")
+        if not scheduled_claim or not self._supersede(conn, current, now, keep_until_ms):
             return _lost(request.job, request.slot_ms, "taken")
         row = self._claim_row(request, now, token=int(current.token) + 1)
         row["keep_until_ms"] = keep_until_ms
@@ -699,13 +699,12 @@ class SQLBackend(Backend):
             current = self._current_records(conn, keys)
             for request, key in zip(requests, keys, strict=True):
                 row = current.get(key)
-                alive = row is not None and not (
-                    row.state == State.CLAIMED.value
-                    and row.manual_key is None
-                    and (row.lease_until_ms or 0) < now
-                )
-                if alive:
+                if row is None:
+                    answers.append(self._take_over(conn, request))
+                elif row.state != State.CLAIMED.value or row.manual_key is not None:
                     answers.append(_lost(request.job, request.slot_ms, "taken"))
+                elif (row.lease_until_ms or 0) >= now:
+                    answers.append(_lost(request.job, request.slot_ms, "held"))
                 else:
                     answers.append(self._take_over(conn, request))
         self._after_writes(

@@ -1,4 +1,4 @@
-"""An open defect the lease table found (docs/reliability.md, "Lease faults"):
+"""A defect the lease table found (docs/reliability.md, "Lease faults"):
 "kill-9 in send" on Redis left a slot ``claimed`` by a killed beat, never
 taken over, never sent and never recorded.
 
@@ -8,8 +8,9 @@ a killed instance for ``registry_ttl``: when both are dead, no live instance
 checks the slot, and its ``claimed`` record keeps it from being recorded
 ``missed`` later. Deterministic here: four schedulers in one process, a
 hand-moved clock, the two first of the slot's order "dead" (never ticked
-again). Strict expected failure: a fix makes it pass, and it must then lose
-the mark.
+again). Fixed: every instance that lost the slot plans a check, the third
+of the order one heartbeat period after the lease's end
+(``scheduler.TAKE_OVER_RANKS``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_anarchon.scheduler import Scheduler
+from celery_anarchon.scheduler import HEARTBEAT_INTERVAL, Scheduler
 
 from ..conftest import POSTGRES_URL, REDIS_URL, require_service
 from ..test_lease_features import Clock, make_app, sent_slots
@@ -27,11 +28,6 @@ from ..test_lease_features import Clock, make_app, sent_slots
 pytestmark = pytest.mark.services
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: no take-over when the slot's two first rendezvous instances are dead "
-    "(reported; scheduler.py is not the campaign's to change)",
-)
 @pytest.mark.parametrize("backend", ["sqlite", "redis"])
 def test_take_over_when_the_two_first_of_the_order_are_dead(backend: str, tmp_path: Path) -> None:
     if backend != "sqlite":
@@ -65,6 +61,10 @@ def test_take_over_when_the_two_first_of_the_order_are_dead(backend: str, tmp_pa
         assert sent_slots(app) == []
         time.sleep(1.3)  # the dead owner's lease (1 s, backend clock) ends
         clock.now = slot + 4.0
+        third.tick()
+        fourth.tick()
+        assert sent_slots(app) == []  # rank 2 checks a heartbeat period later
+        clock.now = slot + 4.0 + HEARTBEAT_INTERVAL
         third.tick()
         fourth.tick()
         assert sent_slots(app) == [("j", slot * 1000)]
