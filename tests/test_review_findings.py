@@ -315,3 +315,79 @@ def test_overlap_skip_reads_each_deferred_slot_once(sqlite_url: str) -> None:
         assert len(reads) <= 2 * jobs, f"{len(reads)} history reads for {jobs} slots"
     finally:
         s.close()
+
+
+@pytest.mark.services
+def test_a_given_back_slot_is_published_once_with_a_peer_racing_for_it(
+    lease_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A wins 20 slots and sends slower than its 1.2 s lease allows: it gives
+    # the rest back. Peer B ticks right after each give-back (it claims the
+    # released slots at once); A then claims what is left afresh. Every slot
+    # must be published once and recorded sent once, on every lease backend.
+    from .test_lease_features import make_app as lease_app
+    from .test_lease_features import sent_slots as queued
+
+    slot = next_slot(10.0)
+    slot_ms = int(slot * 1000)
+    schedule = {f"g-{i:02d}": {"task": "t.g", "schedule": 10.0} for i in range(20)}
+    from .conftest import backend_options
+
+    scheme = lease_url.split(":")[0].split("+")[0]
+    app = lease_app(
+        lease_url,
+        schedule,
+        anarchon_backend_options=backend_options(scheme),
+        anarchon_lease_ttl=1.2,
+        anarchon_max_skew=120,
+        anarchon_max_late=5,
+    )
+    clock_a, clock_b = Clock(slot - 0.5), Clock(slot - 0.5)
+    a = Scheduler(app, clock=clock_a)
+    a.tick()  # A registers first: alone in its view, it claims at the slot
+    b = Scheduler(app, clock=clock_b)
+    b.tick()
+    real_send = scheduler_module.send_slot
+    real_give_back = a._give_back
+    given: list[int] = []
+
+    def slow_send(*args: Any, **kwargs: Any) -> Any:
+        clock_a.now += 0.1
+        return real_send(*args, **kwargs)
+
+    def give_back_then_peer(rest: Any) -> None:
+        given.append(len(rest))
+        real_give_back(rest)
+        clock_b.now = clock_a.now
+        b.tick()
+
+    monkeypatch.setattr(scheduler_module, "send_slot", slow_send)
+    monkeypatch.setattr(a, "_give_back", give_back_then_peer)
+    try:
+        clock_a.now = slot + 0.1
+        sent: list[tuple[str, int]] = []
+        for _ in range(30):
+            a.tick()
+            clock_b.now = clock_a.now
+            b.tick()
+            sent += queued(app)
+            if len(sent) >= 20:
+                break
+        time.sleep(1.5)  # every lease ends; late take-over checks find them sent
+        for step in (2, 3, 4):
+            clock_a.now = clock_b.now = slot + step
+            a.tick()
+            b.tick()
+        sent += queued(app)
+        assert given, "no batch was given back"
+        assert sorted(sent) == [(f"g-{i:02d}", slot_ms) for i in range(20)]
+        assert a.backend is not None
+        owners = set()
+        for i in range(20):
+            runs = [r for r in a.backend.history(f"g-{i:02d}") if r.slot_ms == slot_ms]
+            assert [r.state for r in runs] == [State.SENT], (i, runs)
+            owners.add(runs[0].instance)
+        assert owners == {a.instance_id, b.instance_id}  # B did race for released slots
+    finally:
+        a.close()
+        b.close()
