@@ -391,3 +391,44 @@ def test_a_given_back_slot_is_published_once_with_a_peer_racing_for_it(
     finally:
         a.close()
         b.close()
+
+
+def test_a_lone_instance_sends_thousands_due_at_once_each_once(sqlite_url: str) -> None:
+    # One instance (the registry shows it alone: it claims at the slot),
+    # 3,000 slots due in the same second, the default 30 s lease: claims
+    # go in capped batches (at most MAX_CLAIM_BATCH), the rest waits in the
+    # heap; every slot is sent once and recorded sent, none missed.
+    from celery_anarchon.scheduler import MAX_CLAIM_BATCH
+
+    jobs = 3000
+    app = make_app(sqlite_url, jobs, 60.0, anarchon_max_late=30)
+    slot = next_slot(60.0)
+    clock = Clock(slot - 0.5)
+    s = Scheduler(app, clock=clock)
+    batches: list[int] = []
+    try:
+        assert s.backend is not None
+        s.tick()
+        assert s._peers == [s.instance_id]
+        real = s.backend.claim
+
+        def claim(requests: Any) -> Any:
+            batches.append(len(requests))
+            return real(requests)
+
+        s.backend.claim = claim  # type: ignore[method-assign]
+        clock.now = slot + 0.1
+        sent: list[tuple[str, int]] = []
+        for _ in range(60):
+            s.tick()
+            sent += sent_slots(app)
+            if len(sent) >= jobs:
+                break
+        assert len(sent) == len(set(sent)) == jobs
+        assert len(batches) >= 2 and max(batches) <= MAX_CLAIM_BATCH and sum(batches) == jobs
+        slot_ms = int(slot * 1000)
+        for i in range(0, jobs, 97):
+            [record] = s.backend.history(f"job-{i:04d}")
+            assert (record.state, record.slot_ms) == (State.SENT, slot_ms)
+    finally:
+        s.close()
