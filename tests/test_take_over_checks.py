@@ -11,6 +11,7 @@ beat that nobody took over and nobody recorded."""
 from __future__ import annotations
 
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from celery import Celery
 from celery_anarchon.backends.base import Backend, ClaimRequest, InstanceInfo, RunRecord, State
 from celery_anarchon.scheduler import HEARTBEAT_INTERVAL, Scheduler, _weight
 
-from .conftest import backend_url, require_service
+from .conftest import backend_options, backend_url, require_service
 from .test_lease_features import Clock, make_app, open_backend, sent_slots
 
 pytestmark = pytest.mark.services
@@ -37,14 +38,18 @@ def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 def app_with_slot(url: str, **conf: object) -> tuple[Celery, int, float]:
-    """An app with one hourly job ``k`` (lease 1 s) whose slot is the next
-    whole second; the slot (ms) and the time one second before it."""
+    """An app with one hourly job ``k`` (lease 1 s) whose slot is two
+    seconds ahead; the slot (ms) and the time one second before it. Its
+    own prefix: the registry peers of a test are not another's."""
     now = time.time()
     slot = int(now) + 2
     schedule = {
         "k": {"task": "t.k", "schedule": 3600.0, "anarchon": {"anchor": slot, "lease_ttl": 1}},
     }
-    return make_app(url, schedule, **conf), slot * 1000, float(slot - 1)
+    base = backend_options(url.split(":")[0])["prefix"]
+    options = {"prefix": f"{base}to{uuid.uuid4().hex[:6]}_"}
+    app = make_app(url, schedule, anarchon_backend_options=options, **conf)
+    return app, slot * 1000, float(slot - 1)
 
 
 def claim_and_die(backend: Backend, slot_ms: int) -> None:
