@@ -436,3 +436,28 @@ def default_backend_url(conf: Any, schedule_filename: str | None) -> str:
         return broker
     filename = schedule_filename or conf.get("beat_schedule_filename") or "celerybeat-schedule"
     return f"sqlite:///{os.path.abspath(filename)}.anarchon.db"
+
+
+def started_by_beat() -> bool:
+    """True when ``celery beat`` (its ``Service.start``) is starting the
+    scheduler on this call stack, False when a program builds it directly.
+
+    Beat logs an error escaping the scheduler's set-up with its traceback,
+    then the process prints it again on standard error, which beat redirects
+    to the log one line per fragment. A configuration error, already logged
+    on one CRITICAL line per problem, therefore ends beat with
+    :class:`SystemExit` instead; a program building the scheduler itself
+    still gets the :class:`~celery_anarchon.exceptions.ConfigurationError`.
+    """
+    import sys
+    from types import FrameType
+
+    from celery.beat import Service
+
+    start = Service.start.__code__
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is start:
+            return True
+        frame = frame.f_back
+    return False
