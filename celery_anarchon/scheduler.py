@@ -174,6 +174,30 @@ class _StaleClaim(Exception):
         self.held_s = held_s
 
 
+class _PublishInDoubt(Exception):
+    """A publish failed after it may have reached Celery's broker (the
+    connection broke or timed out during or after the write): sending it
+    again, here or by a backup, could publish the slot twice."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(repr(cause))
+        self.cause = cause
+
+
+def _refused(exc: BaseException) -> bool:
+    """True when ``exc`` says the broker connection could not be made at
+    all (refused, or the host name did not resolve), so nothing was
+    written: the exception itself or what it wraps (``__cause__``)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, (ConnectionRefusedError, socket.gaierror)):
+            return True
+        seen.add(id(current))
+        current = current.__cause__
+    return False
+
+
 def task_id_for(job: str, slot_ms: int) -> str:
     """The Celery task id of ``job``'s run at ``slot_ms``: the same on every
     host, so a second publish of one slot carries the same id."""
@@ -1070,8 +1094,8 @@ class Scheduler(beat.Scheduler):
         ``max_late`` goes to :meth:`_record_lost_claims`. A check of a late
         rank (:data:`TAKE_OVER_RANKS`) is made only once a peer died, else
         moved a heartbeat period on, and dropped at ``max_late``. One the
-        backend did not answer stays due a check (at once if an instance
-        leaves the registry)."""
+        backend did not answer is checked again when the backend is retried
+        (:meth:`_retry_take_overs`)."""
         assert self._settings is not None and self._backend is not None
         todo: list[tuple[Job, int]] = []
         late: list[tuple[Job, int]] = []
@@ -1091,15 +1115,20 @@ class Scheduler(beat.Scheduler):
             (late if now_ms > last_ms else todo).append((job, slot_ms))
         if late:
             self._record_lost_claims(late, now_ms)
-        if not todo or not self._backend_ready:
+        if not todo:
+            return
+        if not self._backend_ready:
+            self._retry_take_overs(todo)
             return
         requests = [job.claim_request(slot, self._settings.max_skew) for job, slot in todo]
         claims = self._take_over_many(requests)
         if claims is None:
+            self._retry_take_overs(todo)
             return
         claimed_at = self._clock()
         for (job, slot_ms), claim in zip(todo, claims, strict=True):
             if claim.reason == "unknown":
+                self._retry_take_overs([(job, slot_ms)])
                 continue
             if claim.reason == "held":
                 self._plan_take_over(job, slot_ms, now_ms, again=True)
@@ -1115,6 +1144,13 @@ class Scheduler(beat.Scheduler):
                     claim.token,
                 )
                 self._send(job, claim, claimed_at)
+
+    def _retry_take_overs(self, due: Sequence[tuple[Job, int]]) -> None:
+        """The backend did not answer these checks: check them again when it
+        is retried (past ``max_late`` by then, they are recorded instead)."""
+        retry_ms = max(int(self._retry_at * 1000), self._now_ms() + 1000)
+        for job, slot_ms in due:
+            self._push_event(retry_ms, TAKE_OVER, job.name, slot_ms)
 
     def _take_over_many(self, requests: Sequence[ClaimRequest]) -> list[Claim] | None:
         """:meth:`Backend.take_over_many`, or None (logged) without a full answer."""
@@ -1144,14 +1180,17 @@ class Scheduler(beat.Scheduler):
         (sent, recorded) are forgotten."""
         assert self._backend is not None
         if not self._backend_ready:
+            self._retry_take_overs(due)
             return
         requests = [self._catch_up_request(job, slot_ms, now_ms) for job, slot_ms in due]
         claims = self._take_over_many(requests)
         if claims is None:
+            self._retry_take_overs(due)
             return
         for (job, slot_ms), claim in zip(due, claims, strict=True):
             key = (job.name, slot_ms)
             if claim.reason == "unknown":
+                self._retry_take_overs([(job, slot_ms)])
                 continue
             if claim.reason == "held":
                 retry_ms = now_ms + _ms(job.options.lease_ttl) + TAKE_OVER_GRAIN_MS
@@ -1307,6 +1346,10 @@ class Scheduler(beat.Scheduler):
             )
             self._on_send_failed(job, claim, task_id, TimeoutError("lease ended"))
             return
+        except _PublishInDoubt as exc:
+            self.metrics.send_failed(job.name)
+            self._on_publish_in_doubt(job, claim, task_id, exc.cause)
+            return
         except Exception as exc:
             self.metrics.send_failed(job.name)
             self._on_send_failed(job, claim, task_id, exc)
@@ -1353,6 +1396,32 @@ class Scheduler(beat.Scheduler):
         last_chance = claim.slot_ms + _ms(job.options.max_late)
         self._push_event(max(lease_end, last_chance) + 1000, SEND_FAILED, job.name, claim.slot_ms)
 
+    def _on_publish_in_doubt(self, job: Job, claim: Claim, task_id: str, exc: Exception) -> None:
+        """A publish failed after it may have reached Celery's broker: the
+        slot may be queued already. Recorded ``lost`` at once (DESIGN
+        section 3: in doubt, never send twice), not left to a backup: a
+        take-over would publish it a second time. The record closes the
+        claim, so no backup takes it over; only when the backend does not
+        take the record may a backup take the slot over at lease end."""
+        error = f"publish failed after it may have reached the broker: {exc!r}"
+        if self._mark(claim, State.LOST, task_id=task_id, error=error):
+            logger.error(
+                "anarchon: %s @ %s: publish failed after it may have reached the broker "
+                "(%r); not sent again, recorded lost",
+                job.name,
+                _iso(claim.slot_ms),
+                exc,
+            )
+        else:
+            logger.error(
+                "anarchon: %s @ %s: publish failed after it may have reached the broker "
+                "(%r) and it could not be recorded lost; a backup may send it again "
+                "when the lease ends",
+                job.name,
+                _iso(claim.slot_ms),
+                exc,
+            )
+
     def _close_failed_send(self, job: Job, slot_ms: int) -> None:
         """No backup took the slot over: record this instance's claim lost."""
         failed = self._failed_sends.pop((job.name, slot_ms), None)
@@ -1372,7 +1441,12 @@ class Scheduler(beat.Scheduler):
         At most :data:`PUBLISH_ATTEMPTS` attempts. Each connects (once,
         bounded by ``broker_connection_timeout``) if beat has no broker
         connection, re-checks the claim's age right before publishing, and
-        publishes without kombu's own retries. After a failed attempt the
+        publishes without kombu's own retries. An attempt is repeated only
+        when it certainly wrote nothing: the connection could not be made
+        (connecting failed, or the publish was refused a connection). A
+        publish that failed once it may have written (a connection reset or
+        a timeout during or after the write) is never repeated: DESIGN
+        section 3, in doubt never send twice. After a failed attempt the
         producer and its connection are dropped and made afresh: kombu
         closes the producer's channel when a publish hits a dropped
         connection and leaves it closed when it cannot reconnect, so the
@@ -1383,6 +1457,8 @@ class Scheduler(beat.Scheduler):
         Raises:
             _StaleClaim: the claim was held more than :data:`PUBLISH_BY` of
                 its lease when a publish was due (a backup may take it over).
+            _PublishInDoubt: the publish failed after it may have reached
+                the broker (not tried again).
             Exception: the last attempt's error, or, within
                 :data:`PUBLISH_PAUSE` seconds of a failed publish, a
                 ConnectionError without trying (the broker is away).
@@ -1394,11 +1470,13 @@ class Scheduler(beat.Scheduler):
                 f"ago ({self._publish_error}); not tried again yet"
             )
         for attempt in range(1, PUBLISH_ATTEMPTS + 1):
+            may_have_written = False
             try:
                 producer = self.producer  # connects if needed, bounded
                 held_s = self._clock() - claimed_at
                 if held_s > lease_s * PUBLISH_BY:
                     raise _StaleClaim(held_s)
+                may_have_written = True  # from here on the message may reach the broker
                 send_slot(
                     self.app,
                     job.entry,
@@ -1415,9 +1493,12 @@ class Scheduler(beat.Scheduler):
                 raise
             except Exception as exc:
                 self._drop_producer()
-                if attempt == PUBLISH_ATTEMPTS:
+                in_doubt = may_have_written and not _refused(exc)
+                if in_doubt or attempt == PUBLISH_ATTEMPTS:
                     self._publish_error = repr(exc)
                     self._publish_paused_until = time.monotonic() + PUBLISH_PAUSE
+                    if in_doubt:
+                        raise _PublishInDoubt(exc) from exc
                     raise
                 logger.info(
                     "anarchon: publishing %s @ %s failed (%r); again on a new broker connection",
@@ -1866,10 +1947,23 @@ class Scheduler(beat.Scheduler):
         """Nothing to persist locally: the backend holds all state."""
 
     def close(self) -> None:
-        """Leave the registry and close the backend. Safe to call twice."""
+        """Record the queued ``sent`` marks, hand unsent claims over, leave
+        the registry and close the backend. Safe to call twice.
+
+        When something is still to record or hand over while the backend is
+        in its reconnect backoff (a blip just before shutdown), one
+        reconnect is tried at once regardless of the backoff: otherwise
+        published slots stay ``claimed`` and a backup publishes them again
+        when their leases end."""
         if not self._closed:
             self._closed = True
             backend = self._backend
+            pending = self._unmarked or self._held or self._failed_sends
+            if backend is not None and not self._backend_ready and pending:
+                try:
+                    self._connect()
+                except Exception as exc:  # a ConfigurationError before start-up ended
+                    logger.warning("anarchon: could not reconnect on shutdown: %r", exc)
             if backend is not None and self._backend_ready:
                 self._flush_marks()
                 self._hand_over(backend)
@@ -1897,9 +1991,11 @@ class Scheduler(beat.Scheduler):
         of after the lease; a later one is recorded ``lost`` with the
         reason, since nobody could send it any more and a released slot has
         no record. A claim whose send failed stays with its lease while a
-        backup can still take it over at the lease's end; otherwise it is
-        recorded ``lost`` now (this instance will not be there to do it
-        when ``max_late`` ends). Records are fenced by token: a slot taken
+        backup can still take it over: its lease ends before ``max_late``,
+        or it has ended already with at least :data:`HAND_OVER_MARGIN`
+        seconds left before ``max_late`` (the backups' checks are due);
+        otherwise it is recorded ``lost`` now (this instance will not be
+        there to do it when ``max_late`` ends). Records are fenced by token: a slot taken
         over meanwhile keeps the new owner's record."""
         now_ms = self._now_ms()
         release: list[Claim] = []
@@ -1918,7 +2014,14 @@ class Scheduler(beat.Scheduler):
             job = self._jobs.get(name)
             if job is None:
                 continue
-            if not now_ms < lease_end_ms <= slot_ms + _ms(job.options.max_late):
+            last_ms = slot_ms + _ms(job.options.max_late)
+            if lease_end_ms > last_ms:
+                backup_can_take = False  # the lease outlives max_late
+            elif now_ms < lease_end_ms:
+                backup_can_take = True  # a backup checks at the lease's end
+            else:  # the lease ended: a backup's check is due now, or at its next heartbeat
+                backup_can_take = now_ms + _ms(HAND_OVER_MARGIN) <= last_ms
+            if not backup_can_take:
                 lost.append((claim, f"{error}; shut down, no backup took it over"))
         self._failed_sends = {}
         if release:

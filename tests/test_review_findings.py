@@ -112,12 +112,6 @@ def test_close_after_a_blip_still_records_what_was_sent(
         check.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Scheduler._take_over drops a check that meets a backend outage (take_over_many "
-    "raises, or _backend_ready is False during backoff): the key stays in _take_over_due "
-    "with no event planned, so the dead owner's slot is never sent nor recorded",
-)
 def test_a_take_over_check_that_meets_a_blip_is_checked_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
