@@ -83,4 +83,8 @@ def noop() -> None:
 def _ready(sender: Any = None, **_: Any) -> None:
     folder = os.environ.get("BENCH_READY_DIR")
     if folder:
-        Path(folder, f"ready-{os.getpid()}").write_text(repr(time.time()))
+        # Written under a temporary name, then renamed: the benchmark reads
+        # every ready-* mark and must never see one half written.
+        tmp = Path(folder, f".tmp-ready-{os.getpid()}")
+        tmp.write_text(repr(time.time()))
+        tmp.rename(Path(folder, f"ready-{os.getpid()}"))

@@ -31,7 +31,11 @@ def main(argv: list[str]) -> int:
         noop.apply_async(producer=producer, headers={"anarchon_job": "warm-up"})
         folder = os.environ.get("BENCH_READY_DIR")
         if folder:
-            Path(folder, f"ready-{os.getpid()}").write_text(repr(time.time()))
+            # Written under a temporary name, then renamed: the benchmark reads
+            # every ready-* mark and must never see one half written.
+            tmp = Path(folder, f".tmp-ready-{os.getpid()}")
+            tmp.write_text(repr(time.time()))
+            tmp.rename(Path(folder, f"ready-{os.getpid()}"))
         for k in range(rounds):
             slot = FIRST + k * PERIOD
             time.sleep(max(0.0, slot - time.time()))
