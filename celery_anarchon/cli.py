@@ -924,9 +924,17 @@ def _check_connect(backend: Backend, settings: Settings, result: _Check) -> None
 
 
 def _print_check(result: _Check, connect: bool) -> None:
-    where = result.backend or "(not built)"
-    how = "connected" if result.connected else "not connected" if not connect else "unreachable"
-    click.echo(f"checked {result.jobs} valid job(s); backend {where} ({how})")
+    if result.backend is None:
+        backend = "not built: configuration error (below)"
+    elif result.connected:
+        backend = f"{result.backend} (connected)"
+    elif result.unreachable:
+        backend = f"{result.backend} (unreachable)"
+    elif connect:
+        backend = f"{result.backend} (reached, not usable: see below)"
+    else:
+        backend = f"{result.backend} (not connected)"
+    click.echo(f"checked {result.jobs} valid job(s); backend {backend}")
     for problem in result.problems:
         click.echo(f"ERROR    {problem['message']}")
     for warning in result.warnings:

@@ -481,3 +481,12 @@ def sent_slots(app: Celery, job: str) -> list[int]:
 def pids_in_status(beats: BeatCluster) -> set[int]:
     report = json.loads(invoke(cluster_app(beats), "status", "--json").stdout)
     return {instance["pid"] for instance in report["instances"]}
+
+
+def test_check_connect_reports_a_bad_backend_url_as_a_configuration_error() -> None:
+    app = check_app(anarchon_backend="redis://127.0.0.1:6379/12?prefix=x:&socket_timout=3")
+    result = invoke(app, "check", "--connect")
+    assert result.exit_code == EXIT_PROBLEM, result.output
+    assert "backend not built: configuration error" in result.output
+    assert "unreachable" not in result.output
+    assert "Did you mean 'socket_timeout'?" in result.output

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from celery import Celery
 
+from celery_anarchon.backends import backend_from_url
 from celery_anarchon.exceptions import ConfigurationError
 from celery_anarchon.settings import Settings, default_backend_url, started_by_beat
 
@@ -191,3 +192,33 @@ def test_a_configuration_error_stops_beat_in_a_few_lines(tmp_path: Path) -> None
     assert "cannot read cron '61 * * * *'" in out
     assert "Traceback" not in out
     assert len(out.splitlines()) < 30, out
+
+
+@pytest.mark.parametrize(
+    ("query", "typo", "suggestion"),
+    [
+        ("prefix=x:&socket_timout=3", "socket_timout", "socket_timeout"),
+        ("health_check_intervl=5", "health_check_intervl", "health_check_interval"),
+        ("prefx=x:", "prefx", "prefix"),
+    ],
+)
+def test_a_misspelled_redis_url_query_parameter_is_refused_with_a_suggestion(
+    query: str, typo: str, suggestion: str
+) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        backend_from_url(f"redis://:s3cret@127.0.0.1:6379/12?{query}", instance="i")
+    message = str(caught.value)
+    assert f"unknown URL query parameter(s) {typo}." in message
+    assert f"Did you mean {suggestion!r}?" in message
+    assert "s3cret" not in message and "unexpected keyword" not in message
+
+
+def test_redis_py_connection_arguments_in_the_url_query_are_accepted() -> None:
+    url = (
+        "redis://127.0.0.1:6379/12?prefix=x:&socket_connect_timeout=2"
+        "&health_check_interval=10&max_connections=4&client_name=beat"
+    )
+    backend = backend_from_url(url, instance="i")
+    assert backend.prefix == "x:"  # type: ignore[attr-defined]
+    tls = "rediss://127.0.0.1:6380/0?ssl_cert_reqs=none&ssl_ca_certs=/tmp/ca.pem"
+    assert "rediss://127.0.0.1:6380/0" in backend_from_url(tls, instance="i").describe()

@@ -28,8 +28,10 @@ record, and ``<slot_ms>/<token>`` for a record superseded by a takeover
 
 from __future__ import annotations
 
+import difflib
 import functools
 import hashlib
+import inspect
 import json
 import logging
 import re
@@ -37,11 +39,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, cast
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
+from redis.connection import URL_QUERY_ARGUMENT_PARSERS
 from redis.exceptions import (
     AuthenticationError,
     AuthorizationError,
@@ -1244,12 +1247,32 @@ class RedisBackend(Backend):
             # Builds a connection object (no socket) so that a query
             # parameter redis-py does not know fails here, not in a tick.
             pool = redis.ConnectionPool.from_url(url)
+        except (TypeError, ValueError) as exc:
+            raise ConfigurationError(f"anarchon_backend {_masked(url)!r}: {exc}.") from exc
+        self._refuse_unknown_query(url, _connection_arguments(pool))
+        try:
             pool.connection_class(**pool.connection_kwargs)
         except (TypeError, ValueError) as exc:
             raise ConfigurationError(
                 f"anarchon_backend {_masked(url)!r}: {exc}. Query parameters other than "
                 f"{', '.join(sorted(self.options))} go to redis-py's connection as is."
             ) from exc
+
+    def _refuse_unknown_query(self, url: str, accepted: frozenset[str]) -> None:
+        """Refuse URL query parameters that are neither this backend's
+        options nor redis-py connection arguments, with a "did you mean"."""
+        names = {key for key, _ in parse_qsl(urlsplit(url).query, keep_blank_values=True)}
+        unknown = sorted(names - accepted - self.options)
+        if not unknown:
+            return
+        close = difflib.get_close_matches(unknown[0], sorted(accepted | self.options), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ConfigurationError(
+            f"anarchon_backend {_masked(url)!r}: unknown URL query parameter(s) "
+            f"{', '.join(unknown)}.{hint} The query takes this backend's options "
+            f"({', '.join(sorted(self.options))}) and redis-py's connection arguments "
+            "(socket_connect_timeout, health_check_interval, ssl_ca_certs, ...)."
+        )
 
     def _connect(self) -> redis.Redis:
         assert self._url is not None
@@ -1496,6 +1519,23 @@ def _sentinel_parts(url: str) -> tuple[list[tuple[str, int]], int, str | None, s
 
 
 _PASSWORD = re.compile(r"(//[^:@/;,]*:)[^@/;]*@")
+
+
+def _connection_arguments(pool: redis.ConnectionPool) -> frozenset[str]:
+    """The keyword arguments ``pool`` passes its connections can take (and
+    the pool's own, such as ``max_connections``): the names redis-py accepts
+    as URL query parameters."""
+    names = set(URL_QUERY_ARGUMENT_PARSERS)
+    for cls in (*pool.connection_class.__mro__, type(pool)):
+        init = cls.__dict__.get("__init__")
+        if init is None or init is object.__init__:
+            continue
+        try:
+            parameters = inspect.signature(init).parameters.values()
+        except (TypeError, ValueError):  # a C-level __init__: nothing to read
+            continue
+        names |= {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return frozenset(names - {"self", "connection_class"})
 
 
 def _masked(url: str) -> str:
