@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -83,11 +84,25 @@ def run_demo(instances: int = 3, seconds: float = 20.0, folder: Path | None = No
     Args:
         instances: how many ``celery beat`` processes to start.
         seconds: how long they run.
-        folder: working folder (default: a new temporary one).
+        folder: working folder, kept (default: a new temporary one, removed
+            at the end unless the run failed).
     Returns:
         0 when every slot ran exactly once, 1 otherwise.
     """
+    keep = folder is not None
     folder = Path(folder or tempfile.mkdtemp(prefix="anarchon-demo-")).resolve()
+    code = 1
+    try:
+        code = _run(instances, seconds, folder)
+    finally:
+        if code == 0 and not keep:
+            shutil.rmtree(folder, ignore_errors=True)
+        elif code != 0:
+            print(f"logs kept in {folder} (beat-N.log, worker.log, executions.log)")
+    return code
+
+
+def _run(instances: int, seconds: float, folder: Path) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "executions.log").write_text("")
     print(f"demo folder: {folder}")
@@ -194,6 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     demo = sub.add_parser("demo", help="run N real beats on the embedded default backend")
     demo.add_argument("--instances", type=int, default=3, help="beat processes (default 3)")
     demo.add_argument("--seconds", type=float, default=20.0, help="how long (default 20)")
-    demo.add_argument("--dir", type=Path, default=None, help="working folder (default: temp)")
+    demo.add_argument(
+        "--dir", type=Path, default=None, help="working folder, kept (default: a temporary one)"
+    )
     args = parser.parse_args(argv)
     sys.exit(run_demo(args.instances, args.seconds, args.dir))

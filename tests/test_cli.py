@@ -4,6 +4,7 @@ by real ``celery beat`` processes; ``check`` on every bad-input case."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -490,3 +491,38 @@ def test_check_connect_reports_a_bad_backend_url_as_a_configuration_error() -> N
     assert "backend not built: configuration error" in result.output
     assert "unreachable" not in result.output
     assert "Did you mean 'socket_timeout'?" in result.output
+
+
+def _demo(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "celery_anarchon", "demo", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_demo_removes_its_temporary_folder_after_a_good_run(tmp_path: Path) -> None:
+    done = _demo(tmp_path, "--instances", "2", "--seconds", "10")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "duplicates=0 missed=0" in done.stdout
+    assert list(tmp_path.glob("anarchon-demo-*")) == []
+
+
+def test_the_demo_keeps_its_folder_when_the_run_fails(tmp_path: Path) -> None:
+    # No beat at all: every slot is missed, so the run fails.
+    done = _demo(tmp_path, "--instances", "0", "--seconds", "8")
+    assert done.returncode == 1, done.stdout + done.stderr
+    [folder] = tmp_path.glob("anarchon-demo-*")
+    assert f"logs kept in {folder}" in done.stdout
+    assert (folder / "worker.log").exists()
+
+
+def test_the_demo_keeps_a_folder_given_with_dir(tmp_path: Path) -> None:
+    folder = tmp_path / "kept"
+    done = _demo(tmp_path, "--instances", "1", "--seconds", "9", "--dir", str(folder))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (folder / "beat-1.log").exists() and (folder / "executions.log").read_text()
