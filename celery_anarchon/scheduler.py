@@ -39,7 +39,7 @@ from .backends import backend_from_url, scheme_of
 from .backends.base import Backend, Claim, ClaimRequest, InstanceInfo, RunRecord, State
 from .exceptions import BackendUnavailable, ConfigurationError
 from .metrics import Metrics, metrics_from_app
-from .settings import JobOptions, Settings, seconds
+from .settings import JobOptions, Settings, seconds, started_by_beat
 from .slots import Slots, cron, first_slot, oneoff, slots_for
 from .worker import expires_for, message_expiry_ms
 
@@ -572,11 +572,23 @@ class Scheduler(beat.Scheduler):
             ConfigurationError: any bad setting, schedule or backend URL; the
                 message lists every problem found (as ``celery anarchon
                 check`` does), not only the first.
+            SystemExit: the same, under ``celery beat``: each problem is
+                logged on one CRITICAL line and beat exits with code 1,
+                without a traceback.
         """
         try:
             self._set_up()
         except (ConfigurationError, TypeError) as exc:
-            raise self._every_problem(exc) from None
+            error = self._every_problem(exc)
+        else:
+            return
+        if started_by_beat():
+            # Each problem is on its CRITICAL line already; an error escaping
+            # here would be logged with its traceback twice, the second copy
+            # one log line per fragment (beat redirects standard error).
+            logger.critical("anarchon: beat stopped: fix the configuration above and restart.")
+            raise SystemExit(1)
+        raise error
 
     def _every_problem(self, first: Exception) -> ConfigurationError:
         """One error naming every configuration problem, each also logged on

@@ -171,10 +171,6 @@ app.conf.beat_schedule = {{"bad": {{"task": "t", "schedule": cron("61 * * * *")}
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the setup_schedule patch (SystemExit under beat) in scheduler.py",
-)
 def test_a_configuration_error_stops_beat_in_a_few_lines(tmp_path: Path) -> None:
     (tmp_path / "badapp.py").write_text(BAD_APP.format(db=tmp_path / "claims.db"))
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
