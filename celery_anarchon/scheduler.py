@@ -861,9 +861,8 @@ class Scheduler(beat.Scheduler):
         """
         assert self._settings is not None
         now_ms = self._now_ms()
-        to_claim: list[tuple[Job, int, bool]] = []
+        candidates: list[tuple[Job, int, bool]] = []
         take_overs: list[tuple[Job, int]] = []
-        claiming: dict[str, int] = {}  # overlap='skip' jobs with a slot in this batch
         for kind, job, slot_ms in due:
             late = now_ms > slot_ms + _ms(job.options.max_late)
             if kind == TAKE_OVER:
@@ -871,9 +870,7 @@ class Scheduler(beat.Scheduler):
             elif kind == SEND_FAILED:
                 self._close_failed_send(job, slot_ms)
             elif kind == CATCH_UP:
-                if self._skip_for_overlap(job, slot_ms, claiming):
-                    continue
-                to_claim.append((job, slot_ms, True))
+                candidates.append((job, slot_ms, True))
             elif kind == DUE and late:
                 self._record_missed(job, slot_ms, now_ms)
             elif kind == CLAIM and late:
@@ -885,13 +882,23 @@ class Scheduler(beat.Scheduler):
                     if claim_at > now_ms:
                         self._push_event(claim_at, CLAIM, job.name, slot_ms)
                         continue
-                if self._skip_for_overlap(job, slot_ms, claiming):
-                    continue
-                to_claim.append((job, slot_ms, False))
+                candidates.append((job, slot_ms, False))
         if take_overs:
             self._take_over(take_overs, now_ms)
-        if to_claim:
-            self._claim_and_send(to_claim, now_ms)
+        if candidates:
+            # The claim cap first, then the overlap checks (one history read
+            # each): a slot deferred to a later round is checked once, then.
+            limit = self._claim_limit(candidates)
+            for job, slot_ms, catch_up in candidates[limit:]:
+                self._push_event(slot_ms, CATCH_UP if catch_up else CLAIM, job.name, slot_ms)
+            claiming: dict[str, int] = {}  # overlap='skip' jobs with a slot in this batch
+            to_claim = [
+                (job, slot_ms, catch_up)
+                for job, slot_ms, catch_up in candidates[:limit]
+                if not self._skip_for_overlap(job, slot_ms, claiming)
+            ]
+            if to_claim:
+                self._claim_and_send(to_claim, now_ms)
         self._flush_marks()
 
     def _claim_and_send(self, to_claim: Sequence[tuple[Job, int, bool]], now_ms: int) -> None:

@@ -250,16 +250,10 @@ def test_shutdown_leaves_a_failed_send_to_the_backup_while_it_can_still_send_it(
         open_backend(app, "x").close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Scheduler._process checks overlap='skip' (one history read per slot) for every "
-    "due slot before _claim_and_send caps the batch; the deferred rest is popped and read "
-    "again each round: reads grow as slots^2 / batch",
-)
 def test_overlap_skip_reads_each_deferred_slot_once(sqlite_url: str) -> None:
     # 400 jobs due at once, overlap='skip', a lease that allows batches of
     # 50 (2 s lease, 10 ms sends): 8 rounds. Each slot needs its previous
-    # run read once; here every round reads every slot still waiting.
+    # run read once (before the fix every round read every slot still waiting).
     jobs = 400
     app = make_app(
         sqlite_url,
