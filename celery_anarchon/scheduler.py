@@ -559,6 +559,8 @@ class Scheduler(beat.Scheduler):
         self._retry_at = 0.0
         self._backoff = BACKOFF_MIN
         self._closed = False
+        self._ticking = False  # inside tick() (close() from a signal handler waits)
+        self._close_requested = False
         self._random = random.Random()
         self.metrics: Metrics = Metrics()
         super().__init__(app, *args, **kwargs)
@@ -809,6 +811,8 @@ class Scheduler(beat.Scheduler):
         Raises:
             SystemExit: the scheduler was closed (beat is shutting down).
         """
+        if self._close_requested and not self._closed:
+            self.close()  # asked for in the middle of the last tick
         if self._closed:
             # Beat closes the scheduler from its SIGTERM handler, then raises
             # SystemExit wherever the main thread is; a library reading a
@@ -816,6 +820,13 @@ class Scheduler(beat.Scheduler):
             # a tick survives. A closed scheduler never ticks on (it would
             # reconnect and send after handing its claims over): exit again.
             raise SystemExit()
+        self._ticking = True
+        try:
+            return self._tick()
+        finally:
+            self._ticking = False
+
+    def _tick(self) -> float:
         if self._settings is None:  # constructed lazily, then ticked
             self.setup_schedule()
         now = self._clock()
@@ -1974,6 +1985,15 @@ class Scheduler(beat.Scheduler):
         reconnect is tried at once regardless of the backoff: otherwise
         published slots stay ``claimed`` and a backup publishes them again
         when their leases end."""
+        if self._ticking and not self._closed:
+            # Called from beat's SIGTERM handler while the main thread is in
+            # a tick: it may hold a lock of a client library (redis-py's
+            # connection pool lock is not reentrant), and recording or
+            # handing over here could wait on it for ever. Beat raises
+            # SystemExit right after this call and calls close() again once
+            # the tick has unwound; the next tick closes should it not.
+            self._close_requested = True
+            return
         if not self._closed:
             self._closed = True
             backend = self._backend

@@ -628,3 +628,33 @@ def test_real_beats_hand_a_slot_over_on_sigterm_when_the_lease_outlives_max_late
         and not any(r.state in MISS_STATES for r in outcome.records(*s))
     ]
     assert unaccounted == [], (unaccounted, logs)
+
+
+def test_close_called_in_the_middle_of_a_tick_waits_for_the_tick_to_unwind(
+    tmp_path: Path,
+) -> None:
+    """Beat's SIGTERM handler calls close() wherever the main thread is. In
+    the middle of a tick, the thread may hold a client library's lock that
+    is not reentrant (redis-py's pool lock), so recording and handing over
+    from there could wait for ever: a real beat on RabbitMQ once hung 20 s
+    after SIGTERM and was killed. close() inside a tick only asks; beat's
+    second close() (after the tick unwound) does the work, and a tick that
+    comes first closes and exits."""
+    app = memory_app(f"sqlite:///{tmp_path / 'claims.db'}", hourly_at(int(time.time())))
+    app.conf.anarchon_backend_options = {}
+    s = Scheduler(app)
+    backend = s.backend
+    seen: list[tuple[bool, bool]] = []
+
+    def closing_tick() -> float:  # what the signal handler does mid-tick
+        s.close()
+        seen.append((s._closed, backend is not None and s._backend_ready))
+        return 1.0
+
+    s._tick = closing_tick  # type: ignore[method-assign]
+    s.tick()
+    assert seen == [(False, True)]  # asked only: nothing closed inside the tick
+    with pytest.raises(SystemExit):
+        s.tick()  # the next tick closes, then exits
+    assert s._closed and not s._backend_ready
+    s.close()  # and beat's own close() after that is harmless
