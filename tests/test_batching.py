@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from kombu import Connection
 
 import celery_anarchon.scheduler as scheduler_module
 from celery_anarchon.backends import backend_from_url
@@ -26,14 +25,7 @@ from celery_anarchon.backends.base import Backend, State
 from celery_anarchon.scheduler import MARK_CHUNK, MIN_CLAIM_BATCH, Scheduler, task_id_for
 
 from .faults.servers import RedisServer
-
-
-class Clock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
+from .test_lease_features import Clock, sent_slots
 
 
 def make_app(url: str, jobs: int, period: float, **conf: Any) -> Celery:
@@ -52,22 +44,6 @@ def make_app(url: str, jobs: int, period: float, **conf: Any) -> Celery:
     }
     app.conf.update({**settings, **conf})
     return app
-
-
-def sent_slots(app: Celery) -> list[tuple[str, int]]:
-    """``(job, slot)`` of every message on the app's queue."""
-    out = []
-    with Connection("memory://") as conn:
-        queue = conn.SimpleQueue(app.conf.task_default_queue)
-        while True:
-            try:
-                message = queue.get(timeout=0.05)
-            except queue.Empty:
-                break
-            out.append((message.headers["anarchon_job"], message.headers["anarchon_slot"]))
-            message.ack()
-        queue.close()
-    return out
 
 
 def next_slot(period: float) -> float:
