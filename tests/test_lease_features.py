@@ -47,13 +47,18 @@ def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 def make_app(url: str, schedule: dict[str, Any], **conf: Any) -> Celery:
-    app = Celery(f"lease-{uuid.uuid4().hex[:6]}", set_as_current=False)
-    prefix = backend_options(url.split(":")[0])  # sqlite, postgresql or redis
+    tag = uuid.uuid4().hex[:6]
+    app = Celery(f"lease-{tag}", set_as_current=False)
+    # A namespace of this app's own under the run's prefix (the run's clean-up
+    # still finds it): claims and registry entries of an earlier test in the
+    # same worker (same job names, a slot in the same second, an instance not
+    # yet stale) must not reach this one.
+    prefix = backend_options(url.split(":")[0])["prefix"]  # sqlite, postgresql or redis
     settings: dict[str, Any] = {
         "broker_url": "memory://",
         "task_default_queue": f"q-{uuid.uuid4().hex[:8]}",
         "anarchon_backend": url,
-        "anarchon_backend_options": {"prefix": prefix.get("prefix", "x")},
+        "anarchon_backend_options": {"prefix": f"{prefix}{tag}{prefix[-1]}"},
         "anarchon_jitter": 0,
         "beat_schedule": schedule,
         "timezone": "UTC",
@@ -349,8 +354,10 @@ def test_drift_is_warned_once_and_definitions_are_read_once(
 
     caplog.set_level(logging.WARNING, logger="celery_anarchon.scheduler")
     clock = Clock(float(int(time.time())))
-    a = Scheduler(make_app(url, schedule(3600.0)), clock=clock)
-    b = Scheduler(make_app(url, schedule(1800.0)), clock=clock)
+    app_a = make_app(url, schedule(3600.0))
+    shared = app_a.conf.anarchon_backend_options  # one registry for both
+    a = Scheduler(app_a, clock=clock)
+    b = Scheduler(make_app(url, schedule(1800.0), anarchon_backend_options=shared), clock=clock)
     try:
         assert a.backend is not None
         read: list[str] = []
