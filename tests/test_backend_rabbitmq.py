@@ -297,11 +297,15 @@ def proxy() -> Iterator[WireProxy]:
 def test_gate_is_classic_durable_with_its_arguments_and_expires(
     make: Callable[..., RabbitMQBackend], vhost: str
 ) -> None:
-    backend = make("host-a", slot_ttl=2)
+    # The arguments on a gate that outlives the listing (rabbitmqctl can take
+    # seconds on a loaded machine); the expiry on a second, short-lived one.
+    backend = make("host-a", slot_ttl=600)
     slot = now_ms()
     assert backend.claim([request("sync", slot)])[0].won
     gate = backend.gate_queue("sync", slot)
     assert gate == f"{backend.prefix}sync.slot.{slot}"
+    short = make("host-b", slot_ttl=1)
+    assert short.claim([request("brief", slot)])[0].won
     listed = queues(vhost)
     assert listed[gate]["durable"] is True
     assert listed[gate]["type"] == "classic"
@@ -309,12 +313,13 @@ def test_gate_is_classic_durable_with_its_arguments_and_expires(
         "x-queue-type": "classic",
         "x-max-length": 1,
         "x-overflow": "reject-publish",
-        "x-expires": 2000,
+        "x-expires": 600_000,
     }
     history = listed[backend.history_queue("sync")]
     assert history["type"] == "stream" and history["durable"] is True
     assert history["arguments"] == history_arguments(100, "sync")
     # Polled with rabbitmqctl: a passive declare would renew the gate's lease.
+    gate = short.gate_queue("brief", slot)
     deadline = time.monotonic() + 15
     while gate in queues(vhost) and time.monotonic() < deadline:
         time.sleep(0.2)
