@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import burst, claims, footprint, profile, scale
+from bench import burst, claims, footprint, profile, scale, steady
 
 from .conftest import require_service
 
@@ -64,6 +64,48 @@ def test_burst_smoke(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None
     anarchon = next(r for r in results if r["config"].startswith("anarchon"))
     assert anarchon["exactly_once"], anarchon
     assert anarchon["duplicates"] == 0
+
+
+@pytest.mark.integration
+def test_steady_smoke(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    require_service("redis")
+    out = tmp_path / "steady.json"
+    args = ["--jobs", "20", "--period", "4", "--instances", "2", "--max-late", "3"]
+    args += ["--warmup", "1", "--rounds", "2", "--send-wait", "6", "--json", str(out)]
+    assert steady.main(args) == 0
+    assert "every measured slot exactly once: yes" in capsys.readouterr().out
+    [result] = json.loads(out.read_text())
+    assert "error" not in result, result
+    totals = result["totals"]
+    assert (totals["due"], totals["once"], totals["never"]) == (40, 40, 0)
+    assert totals["history"] == {"sent": 40}
+    assert totals["history_mismatch"] == 0
+
+
+def test_steady_attribution() -> None:
+    """Each message counts for the slot in its headers, not for its place
+    in the queue: a late message of an earlier slot is not the next round's."""
+    jobs = ["a", "b"]
+    messages = [
+        ("a", 20_000, 20.5),
+        ("b", 0, 21.0),  # slot 0, arrived during round 20 s: late 21 s
+        ("b", 20_000, 22.5),
+        ("b", 20_000, 23.0),  # twice
+        ("x", 20_000, 20.1),  # not one of the jobs
+    ]
+    zero, twenty = steady.attribute(messages, jobs, [0, 20_000], period=20)
+    assert (zero["once"], zero["never"], zero["never_jobs"]) == (1, 1, ["a"])
+    assert zero["max"] == pytest.approx(21.0)
+    assert zero["over_period"] == 1
+    assert (twenty["once"], twenty["twice_or_more"], twenty["extra_messages"]) == (1, 1, 1)
+    assert twenty["never"] == 0
+    assert twenty["done"] == pytest.approx(2.5)
+    assert twenty["max"] == pytest.approx(3.0)
+    assert twenty["over_2s"] == 2
+    states = {"a": "sent", "b": "missed"}
+    steady.check_history(zero, states, jobs)
+    assert zero["history_never"] == {"sent": 1}
+    assert zero["history_mismatch"] == 2  # a: sent but not queued; b: queued, missed
 
 
 def test_scale_smoke(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
