@@ -36,7 +36,15 @@ from celery import beat
 
 from . import __version__
 from .backends import backend_from_url, scheme_of
-from .backends.base import Backend, Claim, ClaimRequest, InstanceInfo, RunRecord, State
+from .backends.base import (
+    AbsentRecord,
+    Backend,
+    Claim,
+    ClaimRequest,
+    InstanceInfo,
+    RunRecord,
+    State,
+)
 from .exceptions import BackendUnavailable, ConfigurationError
 from .metrics import Metrics, metrics_from_app
 from .settings import JobOptions, Settings, seconds, started_by_beat
@@ -120,6 +128,9 @@ MAX_MISSES_COUNTED = 1_000_000
 
 #: Most records queued while the backend is away (the newest are kept).
 MAX_UNRECORDED = 100_000
+#: ``missed``/``skipped`` records written per backend call
+#: (:meth:`Backend.record_many_if_absent`).
+RECORD_CHUNK = 500
 
 #: Sent slots recorded ``sent`` in one backend call (``Backend.mark_many``),
 #: and the longest a send waits for its chunk to be recorded, seconds.
@@ -732,8 +743,9 @@ class Scheduler(beat.Scheduler):
             send = gap[-o.catch_up_limit :]
         missed = [s for s in gap if s not in send][-o.history_size :]
         recorded = sum(
-            self._record_if_absent(job, s, State.MISSED, "no instance ran (catch_up)")
-            for s in missed
+            self._record_absent(
+                [(job, s, State.MISSED, "no instance ran (catch_up)") for s in missed]
+            )
         )
         if recorded:
             self.metrics.missed(job.name, recorded)
@@ -874,6 +886,7 @@ class Scheduler(beat.Scheduler):
         now_ms = self._now_ms()
         candidates: list[tuple[Job, int, bool]] = []
         take_overs: list[tuple[Job, int]] = []
+        misses: list[tuple[Job, list[int], int]] = []  # recorded in one batch
         for kind, job, slot_ms in due:
             late = now_ms > slot_ms + _ms(job.options.max_late)
             if kind == TAKE_OVER:
@@ -883,9 +896,9 @@ class Scheduler(beat.Scheduler):
             elif kind == CATCH_UP:
                 candidates.append((job, slot_ms, True))
             elif kind == DUE and late:
-                self._record_missed(job, slot_ms, now_ms)
+                misses.append(self._skip_missed(job, slot_ms, now_ms))
             elif kind == CLAIM and late:
-                self._record_misses(job, [slot_ms], 1)
+                misses.append((job, [slot_ms], 1))
             else:
                 if kind == DUE:
                     self._advance(job, slot_ms)
@@ -894,6 +907,8 @@ class Scheduler(beat.Scheduler):
                         self._push_event(claim_at, CLAIM, job.name, slot_ms)
                         continue
                 candidates.append((job, slot_ms, False))
+        if misses:
+            self._record_misses(misses)
         if take_overs:
             self._take_over(take_overs, now_ms)
         if candidates:
@@ -1710,13 +1725,12 @@ class Scheduler(beat.Scheduler):
             _iso(marks[0][1].slot_ms),
         )
 
-    def _record_missed(self, job: Job, slot_ms: int, now_ms: int) -> None:
-        """Record ``slot_ms`` and every later slot already past ``max_late``
-        as missed (where nobody else acted on them), then plan the next one.
-
-        Only the newest :data:`MAX_MISSES_RECORDED` (at most
-        ``history_size``) are written one by one; the log line counts all.
-        """
+    def _skip_missed(self, job: Job, slot_ms: int, now_ms: int) -> tuple[Job, list[int], int]:
+        """Move ``job`` past ``slot_ms`` and every later slot already past
+        ``max_late``, plan its next slot, and answer ``(job, slots, total)``
+        for :meth:`_record_misses`: the newest :data:`MAX_MISSES_RECORDED`
+        missed slots, to be recorded one by one, and how many were missed
+        (counted up to :data:`MAX_MISSES_COUNTED`)."""
         late_ms = _ms(job.options.max_late)
         newest: collections.deque[int] = collections.deque(maxlen=MAX_MISSES_RECORDED)
         total = 0
@@ -1729,16 +1743,25 @@ class Scheduler(beat.Scheduler):
             slot = job.slots.next_after(max(slot, now_ms - late_ms))
         job.next_slot_ms = slot
         self._push(job)
-        self._record_misses(job, list(newest), total)
+        return job, list(newest), total
 
-    def _record_misses(self, job: Job, slots: Sequence[int], total: int) -> None:
-        """Write ``missed`` for ``slots`` (newest ``history_size`` of them) and
-        log one warning counting ``total`` missed slots."""
-        recorded = sum(
-            self._record_if_absent(job, slot, State.MISSED, "later than max_late")
+    def _record_misses(self, misses: Sequence[tuple[Job, list[int], int]]) -> None:
+        """Write ``missed`` for each ``(job, slots, total)`` (the newest
+        ``history_size`` slots of each job) in batched backend calls, and log
+        one warning per job counting its ``total`` missed slots."""
+        records = [
+            (job, slot, State.MISSED, "later than max_late")
+            for job, slots, _ in misses
             for slot in slots[-job.options.history_size :]
+        ]
+        answers = self._record_absent(records)
+        written = collections.Counter(
+            job.name for (job, _, _, _), ok in zip(records, answers, strict=True) if ok
         )
-        if recorded:
+        for job, slots, total in misses:
+            recorded = written[job.name]
+            if not recorded:
+                continue
             self.metrics.missed(job.name, recorded)
             unrecorded = total - len(slots[-job.options.history_size :])
             logger.warning(
@@ -1752,26 +1775,52 @@ class Scheduler(beat.Scheduler):
             )
 
     def _record_if_absent(self, job: Job, slot_ms: int, state: State, error: str) -> bool:
+        """Record ``state`` for one slot with no record (see
+        :meth:`_record_absent`); whether it was written."""
+        return self._record_absent([(job, slot_ms, state, error)])[0]
+
+    def _record_absent(self, records: Sequence[tuple[Job, int, State, str]]) -> list[bool]:
+        """Record ``(job, slot, state, error)`` where each slot has no record
+        (``missed``, ``skipped``), :data:`RECORD_CHUNK` per backend call;
+        whether each was written. While the backend is away, the rest wait
+        in a queue (the newest :data:`MAX_UNRECORDED`) and are written when
+        it is back (:meth:`_record_after_outage`)."""
         assert self._settings is not None
-        if not self._backend_ready or self._backend is None:
-            self._unrecorded.append((job.name, slot_ms, state, error))
-            return False
-        try:
-            return self._backend.record_if_absent(
-                job.name,
-                slot_ms,
-                state,
-                error=error,
-                history_size=job.options.history_size,
-                history_ttl_ms=_ms(job.options.history_ttl),
-                keep_until_ms=job.keep_until_ms(slot_ms, self._settings.max_skew),
-            )
-        except BackendUnavailable as exc:
-            self._on_outage(exc)
-            self._unrecorded.append((job.name, slot_ms, state, error))
-        except Exception:
-            logger.exception("anarchon: recording %s for %s failed", state, job.name)
-        return False
+        answers = [False] * len(records)
+        for start in range(0, len(records), RECORD_CHUNK):
+            chunk = records[start : start + RECORD_CHUNK]
+            if not self._backend_ready or self._backend is None:
+                self._unrecorded.extend((j.name, slot, st, err) for j, slot, st, err in chunk)
+                continue
+            try:
+                written = self._backend.record_many_if_absent(
+                    [
+                        AbsentRecord(
+                            job.name,
+                            slot_ms,
+                            state,
+                            error,
+                            history_size=job.options.history_size,
+                            history_ttl_ms=_ms(job.options.history_ttl),
+                            keep_until_ms=job.keep_until_ms(slot_ms, self._settings.max_skew),
+                        )
+                        for job, slot_ms, state, error in chunk
+                    ]
+                )
+            except BackendUnavailable as exc:
+                self._on_outage(exc)
+                self._unrecorded.extend((j.name, slot, st, err) for j, slot, st, err in chunk)
+                continue
+            except Exception:
+                logger.exception(
+                    "anarchon: recording %d slot(s) %s failed, first %s",
+                    len(chunk),
+                    chunk[0][2],
+                    chunk[0][0].name,
+                )
+                continue
+            answers[start : start + len(chunk)] = written
+        return answers
 
     def _record_after_outage(self) -> None:
         """Write the records that could not be written while the backend was
@@ -1779,15 +1828,17 @@ class Scheduler(beat.Scheduler):
         pending, self._unrecorded = list(self._unrecorded), collections.deque(maxlen=MAX_UNRECORDED)
         recorded = 0
         deadline = time.monotonic() + TICK_BUDGET / 2
-        for index, (name, slot_ms, state, error) in enumerate(pending):
-            if time.monotonic() > deadline:  # the rest in later ticks
-                self._unrecorded.extend(pending[index:])
+        for start in range(0, len(pending), RECORD_CHUNK):
+            if time.monotonic() > deadline or not self._backend_ready:
+                # The rest in later ticks (or, away again, when it is back).
+                self._unrecorded.extend(pending[start:])
                 break
-            job = self._jobs.get(name)
-            if job is not None and self._record_if_absent(job, slot_ms, state, error):
-                recorded += 1
-            if not self._backend_ready:
-                return  # away again: the rest stays queued
+            chunk = [
+                (self._jobs[name], slot_ms, state, error)
+                for name, slot_ms, state, error in pending[start : start + RECORD_CHUNK]
+                if name in self._jobs
+            ]
+            recorded += sum(self._record_absent(chunk))
         if recorded:
             logger.warning(
                 "anarchon: recorded %d slot(s) missed while the backend was away", recorded

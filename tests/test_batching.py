@@ -22,7 +22,13 @@ from celery import Celery
 import celery_anarchon.scheduler as scheduler_module
 from celery_anarchon.backends import backend_from_url
 from celery_anarchon.backends.base import Backend, State
-from celery_anarchon.scheduler import MARK_CHUNK, MIN_CLAIM_BATCH, Scheduler, task_id_for
+from celery_anarchon.scheduler import (
+    MARK_CHUNK,
+    MIN_CLAIM_BATCH,
+    RECORD_CHUNK,
+    Scheduler,
+    task_id_for,
+)
 
 from .faults.servers import RedisServer
 from .test_lease_features import Clock, sent_slots
@@ -268,3 +274,76 @@ def test_a_batch_sending_slower_than_its_lease_allows_gives_the_rest_back(
             assert record.state is State.SENT
     finally:
         s.close()
+
+
+def test_misses_of_a_round_are_recorded_in_batches(
+    sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The instance wakes past max_late (5 s) for every job's slot: nothing is
+    # sent, and the 600 misses go to the backend in RECORD_CHUNK-sized calls,
+    # not one call per slot.
+    jobs = RECORD_CHUNK + 100
+    app = make_app(sqlite_url, jobs, 10.0)
+    slot = next_slot(10.0)
+    clock = Clock(slot - 0.5)
+    s = Scheduler(app, clock=clock)
+    batches: list[int] = []
+    singles: list[int] = []
+    try:
+        assert s.backend is not None
+        s.tick()
+        spy(s.backend, "record_many_if_absent", batches, lambda records: len(records))
+        spy(s.backend, "record_if_absent", singles, lambda *args, **kwargs: 1)
+        clock.now = slot + 6
+        with caplog.at_level("WARNING", logger="celery_anarchon.scheduler"):
+            s.tick()
+        assert batches == [RECORD_CHUNK, 100] and singles == []
+        assert sent_slots(app) == []
+        slot_ms = int(slot * 1000)
+        for name in (f"job-{i:04d}" for i in (0, RECORD_CHUNK - 1, RECORD_CHUNK, jobs - 1)):
+            [record] = s.backend.history(name)
+            assert (record.slot_ms, record.state, record.error) == (
+                slot_ms,
+                State.MISSED,
+                "later than max_late",
+            )
+        assert caplog.text.count("missed 1 slot(s) of job-") == jobs
+        # The next slot, 10 s later, is claimed and sent as usual.
+        clock.now = slot + 10.1
+        s.tick()
+        assert len(sent_slots(app)) == jobs
+    finally:
+        s.close()
+
+
+@pytest.mark.services
+def test_misses_while_the_backend_is_away_are_recorded_once_it_is_back(
+    own_redis: RedisServer,
+) -> None:
+    url = f"redis://127.0.0.1:{own_redis.port}/0"
+    app = make_app(url, 5, 10.0)
+    slot = next_slot(10.0)
+    slot_ms = int(slot * 1000)
+    clock = Clock(slot - 0.5)
+    s = Scheduler(app, clock=clock)
+    reader: Backend | None = None
+    try:
+        s.tick()
+        own_redis.crash()
+        clock.now = slot + 6  # every slot past max_late while Redis is down
+        s.tick()
+        assert sorted(name for name, *_ in s._unrecorded) == [f"job-{i:04d}" for i in range(5)]
+        own_redis.start()
+        clock.now = slot + 9  # past the reconnect backoff, before the next slot
+        s.tick()
+        assert list(s._unrecorded) == []
+        reader = backend_from_url(url, instance="reader")
+        reader.open()
+        for i in range(5):
+            [record] = reader.history(f"job-{i:04d}")
+            assert (record.slot_ms, record.state) == (slot_ms, State.MISSED)
+        assert sent_slots(app) == []
+    finally:
+        s.close()
+        if reader is not None:
+            reader.close()

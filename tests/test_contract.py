@@ -13,7 +13,14 @@ from dataclasses import replace
 import pytest
 
 from celery_anarchon.backends import backend_from_url
-from celery_anarchon.backends.base import Backend, Claim, ClaimRequest, InstanceInfo, State
+from celery_anarchon.backends.base import (
+    AbsentRecord,
+    Backend,
+    Claim,
+    ClaimRequest,
+    InstanceInfo,
+    State,
+)
 from celery_anarchon.exceptions import BackendUnavailable, ConfigurationError
 
 from .conftest import BackendFactory
@@ -173,6 +180,35 @@ def test_a_claimed_slot_is_not_recorded_missed(make_backend: BackendFactory, job
     claim = a.claim([request_for(a, job)])[0]
     assert not b.record_if_absent(job, claim.slot_ms, State.MISSED, keep_until_ms=0)
     assert [r.state for r in a.history(job)] == [State.CLAIMED]
+
+
+def test_many_records_in_one_call_answer_each_slot(make_backend: BackendFactory, job: str) -> None:
+    a, b = make_backend("host-a"), make_backend("host-b")
+    slots = slots_from(a, 4)
+    claimed = a.claim([request_for(a, job, slots[1])])[0]
+    assert claimed.won
+    other = f"{job}-other"
+    records = [
+        AbsentRecord(job, slots[0], State.MISSED, "later than max_late", 10, DAY_MS, slots[0]),
+        AbsentRecord(job, slots[1], State.MISSED, "later than max_late", 10, DAY_MS, slots[1]),
+        AbsentRecord(job, slots[2], State.SKIPPED, "previous run sent", 10, DAY_MS, slots[2]),
+        AbsentRecord(other, slots[3], State.MISSED, None, 10, DAY_MS, slots[3]),
+    ]
+    # The claimed slot is not recorded; the others are, each with its state.
+    assert b.record_many_if_absent(records) == [True, False, True, True]
+    assert b.record_many_if_absent(records) == [False] * 4  # once only
+    assert b.record_many_if_absent([]) == []
+    history = {r.slot_ms: r for r in a.history(job)}
+    assert {s: r.state for s, r in history.items()} == {
+        slots[0]: State.MISSED,
+        slots[1]: State.CLAIMED,
+        slots[2]: State.SKIPPED,
+    }
+    assert history[slots[0]].error == "later than max_late"
+    assert history[slots[0]].instance == "host-b"
+    assert [(r.slot_ms, r.state) for r in a.history(other)] == [(slots[3], State.MISSED)]
+    # A recorded slot is closed: nobody claims it any more.
+    assert not a.claim([request_for(a, job, slots[0])])[0].won
 
 
 def test_release_lets_another_instance_claim(make_backend: BackendFactory, job: str) -> None:

@@ -13,9 +13,10 @@ contract is small and each call is atomic on the backend:
   slot nobody acted on;
 * :meth:`Backend.release` -- give back claimed, unsent slots (hand-over);
 * :meth:`Backend.mark_many`, :meth:`Backend.take_over_many`,
-  :meth:`Backend.holding` -- the scheduler's batched calls: record ``sent``
-  for many claims, check many expired leases, read whether claims are still
-  held (defaults built on the single calls);
+  :meth:`Backend.holding`, :meth:`Backend.record_many_if_absent` -- the
+  scheduler's batched calls: record ``sent`` for many claims, check many
+  expired leases, read whether claims are still held, record many missed
+  slots (defaults built on the single calls);
 * :meth:`Backend.history`, :meth:`Backend.last_run` -- read per-job history;
 * :meth:`Backend.claim_manual` -- the claim behind ``run_now``.
 
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 __all__ = [
+    "AbsentRecord",
     "Backend",
     "Claim",
     "ClaimRequest",
@@ -108,6 +110,32 @@ class ClaimRequest:
     lease_ms: int = 60_000
     history_size: int = 100
     history_ttl_ms: int = 7 * 24 * 3600 * 1000
+
+
+@dataclass(frozen=True)
+class AbsentRecord:
+    """One ``missed`` or ``skipped`` record to write where the slot has none
+    (:meth:`Backend.record_many_if_absent`); the fields are the arguments of
+    :meth:`Backend.record_if_absent`.
+
+    Attributes:
+        job: the job's name.
+        slot_ms: the slot, epoch milliseconds (UTC).
+        state: ``missed`` or ``skipped``.
+        error: why, for history (``None``: no text).
+        history_size: most history records to keep for this job.
+        history_ttl_ms: history records older than this (by slot) may go.
+        keep_until_ms: absolute epoch milliseconds until which the slot
+            stays closed (as :attr:`ClaimRequest.keep_until_ms`).
+    """
+
+    job: str
+    slot_ms: int
+    state: State
+    error: str | None = None
+    history_size: int = 100
+    history_ttl_ms: int = 7 * 24 * 3600 * 1000
+    keep_until_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -419,6 +447,35 @@ class Backend(abc.ABC):
         return [
             self.mark(claim, state, task_id=task_id)
             for claim, task_id in zip(claims, ids, strict=True)
+        ]
+
+    def record_many_if_absent(self, records: Sequence[AbsentRecord]) -> list[bool]:
+        """:meth:`record_if_absent` for many slots at once (the misses of one
+        scheduler round, or of one job's gap), with the same rules.
+
+        The default calls :meth:`record_if_absent` for each record; backends
+        override it with one round trip (a pipeline, a transaction, one
+        batch of gate claims).
+
+        Returns:
+            one answer per record, in order: True when written, False when
+            the slot already had a record.
+        Raises:
+            BackendUnavailable: no answer, or not every record was answered;
+                some may have been written then, and the caller may send the
+                whole call again (a written slot then answers False).
+        """
+        return [
+            self.record_if_absent(
+                r.job,
+                r.slot_ms,
+                r.state,
+                error=r.error,
+                history_size=r.history_size,
+                history_ttl_ms=r.history_ttl_ms,
+                keep_until_ms=r.keep_until_ms,
+            )
+            for r in records
         ]
 
     def take_over_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:

@@ -130,7 +130,7 @@ from amqp.exceptions import AMQPError, ChannelError, NotFound, error_for_code
 
 from ..exceptions import BackendUnavailable, ConfigurationError
 from . import sanitize_url
-from .base import Backend, Claim, ClaimRequest, RunRecord, State
+from .base import AbsentRecord, Backend, Claim, ClaimRequest, RunRecord, State
 
 __all__ = [
     "RabbitMQBackend",
@@ -1141,16 +1141,40 @@ class RabbitMQBackend(Backend):
         Raises:
             BackendUnavailable: no connection; nothing was published.
         """
+        record = AbsentRecord(job, slot_ms, State(state), error, history_size)
+        return self.record_many_if_absent([record])[0]
+
+    def record_many_if_absent(self, records: Sequence[AbsentRecord]) -> list[bool]:
+        """:meth:`record_if_absent` for many slots: their gates claimed as one
+        batch (as :meth:`claim` does), the records appended per state.
+
+        Returns:
+            one answer per record, in order (see :meth:`record_if_absent`).
+        Raises:
+            BackendUnavailable: no connection; nothing was published.
+        """
+        if not records:
+            return []
         with self._lock:
-            self._history_sizes[job] = history_size
-            attempt = self._attempt(
-                job, slot_ms, self.gate_queue(job, slot_ms), self.slot_ttl_ms, state=str(state)
-            )
-            if error is not None:
-                attempt.extra["error"] = error
-            self._take_gates([attempt])
-            self._record_outcomes([attempt], state)
-            return attempt.outcome == "won"
+            attempts = []
+            for r in records:
+                self._history_sizes[r.job] = r.history_size
+                attempt = self._attempt(
+                    r.job,
+                    r.slot_ms,
+                    self.gate_queue(r.job, r.slot_ms),
+                    self.slot_ttl_ms,
+                    state=str(r.state),
+                )
+                if r.error is not None:
+                    attempt.extra["error"] = r.error
+                attempts.append(attempt)
+            self._take_gates(attempts)
+            for state in dict.fromkeys(State(r.state) for r in records):
+                self._record_outcomes(
+                    [a for a, r in zip(attempts, records, strict=True) if r.state == state], state
+                )
+            return [attempt.outcome == "won" for attempt in attempts]
 
     def claim_manual(self, job: str, key: str, keep_until_ms: int) -> Claim:
         """Claim a manual run of ``job`` under ``key``: the gate

@@ -57,7 +57,7 @@ from redis.sentinel import Sentinel
 
 from ..exceptions import BackendUnavailable, ConfigurationError
 from . import sanitize_url
-from .base import Backend, Claim, ClaimRequest, InstanceInfo, RunRecord, State
+from .base import AbsentRecord, Backend, Claim, ClaimRequest, InstanceInfo, RunRecord, State
 
 __all__ = ["RedisBackend"]
 
@@ -987,17 +987,40 @@ class RedisBackend(Backend):
         Raises:
             BackendUnavailable: no answer.
         """
-        keys = self._slot_keys(job, slot_ms)
+        record = AbsentRecord(
+            job, slot_ms, State(state), error, history_size, history_ttl_ms, keep_until_ms
+        )
+        return bool(self._call(self._record_call(record)))
+
+    def record_many_if_absent(self, records: Sequence[AbsentRecord]) -> list[bool]:
+        """:meth:`record_if_absent` for many slots: one pipeline of
+        :data:`LUA_RECORD_SCRIPT` calls.
+
+        Returns:
+            one answer per record, in order.
+        Raises:
+            BackendUnavailable: no answer, or Redis answered any of the
+                scripts with an error (the others may be written).
+        """
+        if not records:
+            return []
+        replies = self._run([self._record_call(r) for r in records])
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise self._unavailable("record", reply) from reply
+        return [bool(reply) for reply in replies]
+
+    def _record_call(self, r: AbsentRecord) -> _Call:
         args = [
-            slot_ms,
-            State(state).value,
+            r.slot_ms,
+            State(r.state).value,
             self.instance,
-            error or "",
-            history_size,
-            history_ttl_ms,
-            keep_until_ms,
+            r.error or "",
+            r.history_size,
+            r.history_ttl_ms,
+            r.keep_until_ms,
         ]
-        return bool(self._call((RECORD, keys, args)))
+        return (RECORD, self._slot_keys(r.job, r.slot_ms), args)
 
     def release(self, claims: Sequence[Claim]) -> None:
         """Give back won, unsent claims with :data:`LUA_RELEASE_SCRIPT`, all

@@ -49,7 +49,7 @@ from sqlalchemy.schema import CreateTable
 
 from ..exceptions import BackendUnavailable, ConfigurationError
 from . import sanitize_url
-from .base import Backend, Claim, ClaimRequest, InstanceInfo, RunRecord, State
+from .base import AbsentRecord, Backend, Claim, ClaimRequest, InstanceInfo, RunRecord, State
 
 __all__ = ["SCHEMA_VERSION", "SQLBackend"]
 
@@ -1035,20 +1035,54 @@ class SQLBackend(Backend):
         Raises:
             BackendUnavailable: no answer.
         """
-        row = {
-            "job": key_of(job),
-            "slot_ms": slot_ms,
-            "token": 1,
-            "state": State(state).value,
-            "owner": self.instance,
-            "keep_until_ms": keep_until_ms,
-            "error": None if error is None else _clean(error),
-        }
+        record = AbsentRecord(
+            job, slot_ms, State(state), error, history_size, history_ttl_ms, keep_until_ms
+        )
         with self._write("record") as conn:
-            written = self._insert_if_absent(conn, self._tables.runs, row)
+            written = self._insert_if_absent(conn, self._tables.runs, self._absent_row(record))
         if written:
             self._after_writes([(key_of(job), history_size, history_ttl_ms)])
         return written
+
+    def record_many_if_absent(self, records: Sequence[AbsentRecord]) -> list[bool]:
+        """:meth:`record_if_absent` for many slots in one transaction: the
+        claim's multi-row conditional insert (rows in key order; a slot
+        twice in ``records`` is written once, its first answer True).
+
+        Returns:
+            one answer per record, in order.
+        Raises:
+            BackendUnavailable: no answer; nothing was written.
+        """
+        if not records:
+            return []
+        rows: dict[tuple[str, int], dict[str, Any]] = {}
+        for r in records:
+            rows.setdefault((key_of(r.job), r.slot_ms), self._absent_row(r))
+        with self._write("record") as conn:
+            written = self._insert_claims(conn, [rows[slot] for slot in sorted(rows)])
+        answers = []
+        for r in records:
+            slot = (key_of(r.job), r.slot_ms)
+            answers.append(slot in written)
+            written.discard(slot)
+        self._after_writes(
+            (key_of(r.job), r.history_size, r.history_ttl_ms)
+            for r, answer in zip(records, answers, strict=True)
+            if answer
+        )
+        return answers
+
+    def _absent_row(self, r: AbsentRecord) -> dict[str, Any]:
+        return {
+            "job": key_of(r.job),
+            "slot_ms": r.slot_ms,
+            "token": 1,
+            "state": State(r.state).value,
+            "owner": self.instance,
+            "keep_until_ms": r.keep_until_ms,
+            "error": None if r.error is None else _clean(r.error),
+        }
 
     # -- run_now -------------------------------------------------------------
 
