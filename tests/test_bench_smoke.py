@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import burst, claims, footprint, profile, scale, steady
+from bench import burst, claims, footprint, misses, profile, scale, steady
 
 from .conftest import require_service
 
@@ -116,6 +116,16 @@ def test_scale_smoke(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None
     [result] = json.loads(out.read_text())
     assert result["jobs"] == 60
     assert result["due"] == 30
+
+
+def test_misses_smoke(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # The run itself checks every slot recorded missed and nothing sent.
+    out = tmp_path / "misses.json"
+    args = ["--jobs", "20", "--backends", "sqlite", "--repeats", "1", "--json", str(out)]
+    assert misses.main(args) == 0
+    assert "| sqlite |" in capsys.readouterr().out
+    runs = json.loads(out.read_text())["sqlite"]
+    assert len(runs["batched"]) == len(runs["per slot"]) == 1
 
 
 def test_footprint_smoke(capsys: pytest.CaptureFixture[str]) -> None:
