@@ -200,14 +200,21 @@ def test_a_backup_takes_over_a_dead_owners_slot(url: str) -> None:
     slot = (now // 3600) * 3600 + 3600  # the next whole hour: slot of "b"
     app = make_app(url, schedule, anarchon_max_late=30, anarchon_max_skew=7200)
     dead = open_backend(app, "dead-owner")
-    held = dead.claim([ClaimRequest("b", slot * 1000, 10**9, 10**9, slot * 1000 + 10**7, 1000)])
-    assert held[0].won  # claimed, never sent: then its owner died
     clock = Clock(float(slot))
+    # Built (connected, tables made, first slots planned) before the dead
+    # owner claims: on a loaded machine that took up to 0.97 s, most of the
+    # dead owner's lease, and the first tick must still find it running.
     s = Scheduler(app, clock=clock)
+    lease_s = 2.0
+    held = dead.claim(
+        [ClaimRequest("b", slot * 1000, 10**9, 10**9, slot * 1000 + 10**7, int(lease_s * 1000))]
+    )
+    lease_ends = time.monotonic() + lease_s  # at the latest (backend clock)
     try:
+        assert held[0].won  # claimed, never sent: then its owner died
         s.tick()  # loses the race: the dead owner holds the slot
         assert sent_slots(app) == []
-        time.sleep(1.2)  # the dead owner's lease ends (backend clock)
+        time.sleep(max(lease_ends + 0.2 - time.monotonic(), 0.0))  # the dead owner's lease ends
         clock.now = slot + 3.5
         s.tick()
         assert sent_slots(app) == [("b", slot * 1000)]
