@@ -514,13 +514,18 @@ def test_take_over_answers_held_while_a_backups_lease_runs(
     first = a.claim([short])[0]
     assert first.won
     time.sleep(0.05)
-    backup = b.take_over(request_for(b, job, slot, lease_ms=300))
+    # The backup's lease must outlast the two checks below: on a loaded
+    # machine they took up to 0.17 s (of a 300 ms lease, before). Then it is
+    # waited out by the backend's clock.
+    backup = b.take_over(request_for(b, job, slot, lease_ms=2000))
+    lease_ends_ms = b.now_ms() + 2000  # at the latest
     assert backup.won and backup.token == 2
     assert [(x.won, x.reason) for x in (c.take_over(short), *c.take_over_many([short]))] == [
         (False, "held"),
         (False, "held"),
     ]
-    time.sleep(0.4)  # the backup's lease ends: it died before its send
+    while c.now_ms() <= lease_ends_ms:  # the backup's lease ends: it died before its send
+        time.sleep(0.05)
     third = c.take_over_many([short])[0]
     assert third.won and third.token == 3
     assert c.mark(third, State.SENT, task_id="third")
