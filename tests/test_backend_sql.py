@@ -16,6 +16,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -384,13 +385,20 @@ def test_a_trim_waits_for_housekeeping_a_bounded_time(
 ) -> None:
     backend = make()
     backend.housekeep(0)  # then the caller never calls it again
-    monkeypatch.setattr(sql, "MAX_TRIM_WAIT_S", 0.2)
+    # A wait far longer than the three claims below take on a loaded machine
+    # (a 0.2 s one was not), run out by moving the backend's monotonic clock.
+    wait_s = 10.0
+    monkeypatch.setattr(sql, "MAX_TRIM_WAIT_S", wait_s)
+    skipped = [0.0]
+    clock = SimpleNamespace(**vars(time))  # the time module, but for monotonic()
+    clock.monotonic = lambda: time.monotonic() + skipped[0]
+    monkeypatch.setattr(sql, "time", clock)
     now = backend.now_ms()
     slots = [now - 50_000 + i * 1000 for i in range(4)]
     for slot in slots[:3]:
         backend.claim([ClaimRequest(job, slot, 60_000, 10_000, slot + 1, history_size=2)])
     assert len(backend.history(job)) == 3  # waiting for housekeeping
-    time.sleep(0.3)
+    skipped[0] += wait_s + 0.1  # the wait runs out
     backend.claim([ClaimRequest(job, slots[3], 60_000, 10_000, slots[3] + 1, history_size=2)])
     assert [r.slot_ms for r in backend.history(job)] == slots[:-3:-1]  # trimmed by the write
 
