@@ -120,7 +120,8 @@ class Worker:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        self.wait_for_log("ready.", count=self.starts)
+        # A loaded machine starts a worker slowly (imports, pool forks).
+        self.wait_for_log("ready.", count=self.starts, timeout=60)
 
     def wait_for_log(self, text: str, count: int = 1, timeout: float = 20) -> str:
         deadline = time.monotonic() + timeout
@@ -252,7 +253,10 @@ def new_job() -> str:
 def test_a_run_is_recorded_running_then_succeeded(harness: Harness) -> None:
     _, claim = harness.claim(job := new_job())
     path = harness.path()
-    harness.send(claim, "itest.sleep", 1.0, path)
+    # Runs for several heartbeat periods (lease_ttl / 3 = 0.67 s): with a
+    # 1 s body, a test reading the lease after the second heartbeat (0.67 s
+    # in: slow on a loaded machine) waited for a third that never came.
+    harness.send(claim, "itest.sleep", 3.0, path)
     running = harness.wait_state(claim, {State.RUNNING})
     assert running.started_at_ms is not None
     # The gate's first heartbeat replaces the claim's lease (30 s) with one
@@ -407,10 +411,13 @@ def test_a_revoked_duplicate_leaves_the_running_original_alone(harness: Harness)
     discarded by Celery, and the record stays the original's."""
     _, claim = harness.claim(new_job())
     path = harness.path()
-    harness.send(claim, "itest.sleep", 2.0, path)
+    # The original must outlast a revoke round trip (worker control via the
+    # broker), a publish and its discard: under load these took up to 0.8 s
+    # after RUNNING was seen, of the 2 s the original used to sleep.
+    harness.send(claim, "itest.sleep", 5.0, path)
     harness.wait_state(claim, {State.RUNNING})
     revoke(harness, task_id_for(claim.job, claim.slot_ms))
-    harness.send(claim, "itest.sleep", 2.0, path)
+    harness.send(claim, "itest.sleep", 5.0, path)
     harness.worker.wait_for_log(f"a delivery of {claim.job} @ ")
     assert harness.record(claim.job, claim.slot_ms).state is State.RUNNING
     done = harness.wait_state(claim, FINISHED)
