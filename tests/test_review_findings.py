@@ -8,6 +8,7 @@ hand (the backends judge leases by their own clocks: short real sleeps)."""
 from __future__ import annotations
 
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -305,11 +306,15 @@ def test_a_given_back_slot_is_published_once_with_a_peer_racing_for_it(
     schedule = {f"g-{i:02d}": {"task": "t.g", "schedule": 10.0} for i in range(20)}
     from .conftest import backend_options
 
-    scheme = lease_url.split(":")[0].split("+")[0]
+    # A namespace of this test's own under the run's prefix (the run's
+    # clean-up still finds it): the run's prefix alone is every test's in
+    # this xdist worker, registry included.
+    base = backend_options(lease_url.split(":")[0].split("+")[0])["prefix"]
+    own = {"prefix": f"{base}g{uuid.uuid4().hex[:6]}{base[-1]}"}
     app = lease_app(
         lease_url,
         schedule,
-        anarchon_backend_options=backend_options(scheme),
+        anarchon_backend_options=own,
         anarchon_lease_ttl=1.2,
         anarchon_max_skew=120,
         anarchon_max_late=5,
