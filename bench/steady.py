@@ -27,7 +27,9 @@ Rounds, by slot:
 
 The instances run until the last measured slot plus ``--send-wait`` seconds
 (45 s: longer than the 30 s lease, so a backup's take-over of an unsent slot
-shows as a duplicate), then are stopped; the queue is drained to the end.
+shows as a duplicate), and at least ``max_late + jitter + 5`` s (so every
+slot of the last measured round is sent or recorded missed before the stop),
+then are stopped; the queue is drained to the end.
 Per round: slots due, sent once, sent twice or more, never sent (and what the
 backend's history says of those: ``missed``, ``skipped``, ``lost``, no
 record, ...), lateness p50/p90/p99/max of every message, how many later than
@@ -249,7 +251,9 @@ def measure(args: argparse.Namespace, index: int) -> dict[str, Any]:
                 slot -= period
             rounds = [first + k * period for k in range(args.warmup + args.rounds)]
             last = rounds[-1]
-            stop_at = last + max(args.send_wait, period)
+            # until every slot of the last measured round was sent or is past
+            # max_late (claims close at max_late + jitter), and --send-wait
+            stop_at = last + max(args.send_wait, period, args.max_late + args.jitter + 5)
             # CPU of the beats and the 1-minute load at each slot, until the stop
             cpu_at: list[tuple[float, float, float]] = [(ready, sum(run.cpu()), 0.0)]
             for slot in [*rounds, last + period, stop_at]:
@@ -270,7 +274,7 @@ def measure(args: argparse.Namespace, index: int) -> dict[str, Any]:
             known = set(slots_ms)
             result["other_messages"] = sum(1 for _, s, _ in messages if s not in known)
             started = time.monotonic()
-            limit = len(slots_ms) + int(args.send_wait / period) + 5
+            limit = len(slots_ms) + int((stop_at - last) / period) + 5
             states = history_states(backend_url, names, slots_ms, limit=limit)
             result["history_read_s"] = time.monotonic() - started
             cpu_by_slot = {at: (cpu, load) for at, cpu, load in cpu_at}
