@@ -232,11 +232,15 @@ def test_a_backup_takes_over_a_dead_owners_slot(url: str) -> None:
 
 
 def test_overlap_skip_while_the_previous_run_is_running(url: str) -> None:
-    now = int(time.time())
+    # The clock starts 10 s ahead of the real one (max_skew widened to let
+    # it): the slot sent at the end is claimed with a 0.5 s window by the
+    # backend's clock, and from the real now the set-up took up to 1.4 s of
+    # the 2.5 s that left on a loaded machine.
+    now = int(time.time()) + 10
     schedule = {"o": {"task": "t.o", "schedule": 1.0, "anarchon": {"overlap": "skip"}}}
-    app = make_app(url, schedule, anarchon_max_late=0.5)
+    app = make_app(url, schedule, anarchon_max_late=0.5, anarchon_max_skew=120)
     worker = open_backend(app, "worker")
-    request = ClaimRequest("o", (now - 1) * 1000, 60_000, 10_000, 10**15, 60_000)
+    request = ClaimRequest("o", (now - 1) * 1000, 60_000, 120_000, 10**15, 60_000)
     previous = worker.claim([request])[0]
     worker.mark(previous, State.SENT, task_id="p")
     assert worker.mark(previous, State.RUNNING)
