@@ -5,7 +5,7 @@ SQLite beside the schedule file; kombu's ``filesystem://`` broker, which works
 across processes and needs no server) and one real worker, lets them run, then
 prints which instance sent each slot and a summary line::
 
-    slots=52 sent=52 duplicates=0 missed=0
+    slots=18 sent=18 duplicates=0 missed=0
 
 ``duplicates`` counts extra executions of a slot; ``missed`` counts slots due
 while the instances ran that were never executed.
@@ -28,12 +28,16 @@ from pathlib import Path
 __all__ = ["main", "run_demo"]
 
 APP = "celery_anarchon.demo_app"
-#: Slots of the demo's jobs are counted from this long after the first beat
-#: started (a beat's own start-up takes about a second) ...
-SETTLE_S = 3.0
+#: Slots of the demo's jobs are counted from this long after every beat is
+#: ready (its backend answered; its first round follows within a second) ...
+SETTLE_S = 1.0
 #: ... until this long before the beats are stopped (the jitter of the last
 #: slots, 2 s by default, and the send).
 TAIL_S = 4.0
+#: Longest wait for every beat to be ready, seconds (a loaded machine).
+READY_TIMEOUT_S = 90.0
+#: The line a beat logs once its claim backend answered.
+READY_LINE = b"backend ready"
 
 
 def _celery(*args: str) -> list[str]:
@@ -83,7 +87,8 @@ def run_demo(instances: int = 3, seconds: float = 20.0, folder: Path | None = No
 
     Args:
         instances: how many ``celery beat`` processes to start.
-        seconds: how long they run.
+        seconds: how long they run once every one is ready (slots are
+            counted from then).
         folder: working folder, kept (default: a new temporary one, removed
             at the end unless the run failed).
     Returns:
@@ -122,7 +127,6 @@ def _run(instances: int, seconds: float, folder: Path) -> int:
         folder / "worker.log",
     )
     beats: list[subprocess.Popen[bytes]] = []
-    started = time.time()
     try:
         for i in range(instances):
             beats.append(
@@ -132,6 +136,13 @@ def _run(instances: int, seconds: float, folder: Path) -> int:
                     folder / f"beat-{i + 1}.log",
                 )
             )
+        waited = time.monotonic()
+        _wait_ready(beats, folder)
+        started = time.time()
+        if beats:
+            print(
+                f"every beat ready after {time.monotonic() - waited:.1f}s; counting slots from now"
+            )
         time.sleep(seconds)
         stopped = time.time()
         _stop(beats)
@@ -140,6 +151,24 @@ def _run(instances: int, seconds: float, folder: Path) -> int:
         _stop(beats)
         _stop([worker])
     return _report(folder, started + SETTLE_S, stopped - TAIL_S)
+
+
+def _wait_ready(beats: list[subprocess.Popen[bytes]], folder: Path) -> None:
+    """Wait until every beat logged that its backend is ready (or exited, or
+    :data:`READY_TIMEOUT_S` passed: the report then shows what it missed).
+    Slots before that are not counted: a machine that is slow to start
+    Python and Celery does not make the demo fail."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    waiting = set(range(len(beats)))
+    while waiting and time.monotonic() < deadline:
+        for i in sorted(waiting):
+            log = folder / f"beat-{i + 1}.log"
+            if beats[i].poll() is not None or READY_LINE in log.read_bytes():
+                waiting.discard(i)
+        time.sleep(0.2)
+    if waiting:
+        names = ", ".join(f"beat-{i + 1}" for i in sorted(waiting))
+        print(f"not ready after {READY_TIMEOUT_S:.0f}s: {names} (see its log)")
 
 
 def _drain(folder: Path, deadline: float) -> None:
