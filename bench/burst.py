@@ -378,7 +378,9 @@ def measure(
         with claim_backend(cfg, tag) as backend_url:
             fixed = None
             if cfg.kind != "anarchon":
-                allowance = (3 if cfg.kind == "publish" else 8) + jobs / 1000 * 2
+                allowance = args.setup_allowance
+                if allowance is None:
+                    allowance = (3 if cfg.kind == "publish" else 8) + jobs / 1000 * 2
                 fixed = math.ceil((time.time() + allowance) / period) * period
             else:
                 wait_for_launch(period, args.max_late)
@@ -715,6 +717,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--jitters", default="2", help="anarchon_jitter values, seconds")
     parser.add_argument(
         "--wait", type=float, default=90.0, help="longest wait after the last round's slot"
+    )
+    parser.add_argument(
+        "--setup-allowance",
+        type=float,
+        default=None,
+        help="seconds the baselines (publish floor, celery, redbeat) get to start before "
+        "their slot; default 3 (publish) or 8, plus 2 per 1,000 jobs",
     )
     parser.add_argument("--profile", help="folder for py-spy profiles of the first instance")
     parser.add_argument("--keep-logs", action="store_true")

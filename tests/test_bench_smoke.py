@@ -50,6 +50,8 @@ def test_burst_smoke(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None
         "1",
         "--wait",
         "10",
+        "--setup-allowance",
+        "15",  # a loaded machine took 4.5 s to start the publisher (3 s allowed by default)
         "--configs",
         "publish-1,anarchon-redis-2",
         "--jitters",
