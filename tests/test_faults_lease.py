@@ -42,8 +42,9 @@ ONE_SECOND = {"every-second": 1.0}
 TICK_S = 1.0
 #: Time a loaded 2-core CI machine may add on top (the backup's own claim
 #: attempt lands up to a tick after the winner's, then one round trip and the
-#: publish). CI once measured 5.024 s against a bare 5.0 s bound.
-SLACK_S = 1.0
+#: publish). CI once measured 5.024 s against a bare 5.0 s bound. Still far
+#: below max_late (30 s), after which the slot would be missed instead.
+SLACK_S = 3.0
 
 
 @pytest.fixture(params=LEASE_BACKENDS)
