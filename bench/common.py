@@ -232,6 +232,35 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+#: Server processes whose CPU a benchmark reports, by ``/proc/<pid>/comm``.
+SERVER_PROCESSES = {
+    "redis-server": "redis",
+    "postgres": "postgresql",
+    "mariadbd": "mysql",
+    "beam.smp": "rabbitmq",
+}
+
+
+def server_cpu_seconds() -> dict[str, float]:
+    """CPU seconds used so far by each local server (every process of it:
+    PostgreSQL forks one per connection), keyed ``redis``, ``postgresql``,
+    ``mysql``, ``rabbitmq``; a server not running here is absent. Compare
+    two readings: a connection's process that exited between them no
+    longer counts."""
+    found: dict[str, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            comm = (entry / "comm").read_text().strip()
+        except OSError:
+            continue
+        name = SERVER_PROCESSES.get(comm)
+        if name is not None:
+            found[name] = found.get(name, 0.0) + cpu_seconds(int(entry.name))
+    return found
+
+
 def rss_bytes(pid: int | None = None) -> int:
     """Resident set size of ``pid`` (default: this process), bytes."""
     path = Path(f"/proc/{pid or 'self'}/status")
