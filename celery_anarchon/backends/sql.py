@@ -83,6 +83,19 @@ MANUAL_SLOT_TRIES = 100
 
 #: Most rows in one multi-row INSERT (well under SQLite's 32766 parameters).
 INSERT_CHUNK = 500
+#: Columns of a claim's first record (:meth:`SQLBackend._claim_row`), and the
+#: element type of their PostgreSQL arrays when not BIGINT.
+_CLAIM_COLUMNS = (
+    "job",
+    "slot_ms",
+    "token",
+    "state",
+    "owner",
+    "lease_until_ms",
+    "keep_until_ms",
+    "claimed_at_ms",
+)
+_ARRAY_TYPES: dict[str, Any] = {"job": sa.String, "state": sa.String, "owner": sa.Text}
 
 #: A pooled connection idle for longer than this is pinged before use,
 #: seconds; one used more recently only has its socket checked for a close
@@ -333,7 +346,9 @@ class SQLBackend(Backend):
     * **One winner per slot.** A claim is one conditional insert of the slot's
       first record (token 1) on the key ``(job, slot_ms, token)``: SQLite and
       PostgreSQL ``INSERT .. ON CONFLICT DO NOTHING RETURNING job, slot_ms``,
-      one multi-row statement for a batch; MySQL/MariaDB ``INSERT .. ON
+      one multi-row statement for a batch (PostgreSQL: rows from
+      ``unnest`` of one array per column, see
+      :meth:`_insert_claims_postgresql`); MySQL/MariaDB ``INSERT .. ON
       DUPLICATE KEY UPDATE job = job``, won when it affected one row (a batch
       goes as one multi-row statement when all or none of it is won, see
       :meth:`_insert_claims_mysql`). A no-op update affects 0 rows only
@@ -435,6 +450,7 @@ class SQLBackend(Backend):
         #: seconds)) of trims left to housekeep(), oldest first
         self._trims_due: dict[str, tuple[int, int, float]] = {}
         self._housekept = False
+        self._unnest_stmt: Any = None
         if client is not None:
             if not isinstance(client, Engine):
                 raise ConfigurationError(
@@ -572,7 +588,11 @@ class SQLBackend(Backend):
             else:
                 rows[slot] = (i, self._claim_row(req, now, token=1))
         ordered = [rows[slot] for slot in sorted(rows)]
-        won = self._insert_claims(conn, [row for _, row in ordered])
+        claim_rows = [row for _, row in ordered]
+        if self.kind == "postgresql" and len(claim_rows) > 1:
+            won = self._insert_claims_postgresql(conn, claim_rows)
+        else:
+            won = self._insert_claims(conn, claim_rows)
         for i, row in ordered:
             req = requests[i]
             if (row["job"], row["slot_ms"]) in won:
@@ -608,6 +628,50 @@ class SQLBackend(Backend):
             chunk = rows[start : start + INSERT_CHUNK]
             won.update((job, slot) for job, slot in conn.execute(stmt, chunk))
         return won
+
+    def _insert_claims_postgresql(
+        self, conn: Connection, rows: list[dict[str, Any]]
+    ) -> set[tuple[str, int]]:
+        """PostgreSQL, several claim rows (:meth:`_claim_row`): per
+        :data:`INSERT_CHUNK` rows one ``INSERT .. SELECT .. FROM
+        unnest(<an array per column>) WITH ORDINALITY .. ORDER BY <ordinal>
+        ON CONFLICT DO NOTHING RETURNING job, slot_ms``: the rows go in the
+        given (key) order, as from the multi-row ``VALUES`` of the others.
+        Its text does not grow with the batch: psycopg parses the
+        placeholders of a statement longer than its cache takes at every
+        call, and a 500-row ``VALUES`` has 4,000 of them (about 0.1 ms of
+        CPU per row here)."""
+        won: set[tuple[str, int]] = set()
+        stmt = self._unnest_insert()
+        for start in range(0, len(rows), INSERT_CHUNK):
+            chunk = rows[start : start + INSERT_CHUNK]
+            params = {name: [row[name] for row in chunk] for name in _CLAIM_COLUMNS}
+            won.update((job, slot) for job, slot in conn.execute(stmt, params))
+        return won
+
+    def _unnest_insert(self) -> Any:
+        """The statement of :meth:`_insert_claims_postgresql` (built once)."""
+        if self._unnest_stmt is None:
+            runs = self._tables.runs
+            arrays = [
+                sa.bindparam(
+                    name, type_=postgresql_sql.ARRAY(_ARRAY_TYPES.get(name, sa.BigInteger))
+                )
+                for name in _CLAIM_COLUMNS
+            ]
+            source = (
+                sa.func.unnest(*arrays)
+                .table_valued(*_CLAIM_COLUMNS, with_ordinality="n")
+                .render_derived()
+            )
+            rows = sa.select(*(source.c[name] for name in _CLAIM_COLUMNS)).order_by(source.c.n)
+            self._unnest_stmt = (
+                postgresql_sql.insert(runs)
+                .from_select(list(_CLAIM_COLUMNS), rows)
+                .on_conflict_do_nothing()
+                .returning(runs.c.job, runs.c.slot_ms)
+            )
+        return self._unnest_stmt
 
     def _insert_claims_mysql(
         self, conn: Connection, rows: list[dict[str, Any]]
