@@ -514,6 +514,47 @@ def test_job_names_are_mapped_to_safe_distinct_queue_names(
         assert [(r.job, r.state) for r in backend.history(name)] == [(name, State.CLAIMED)]
 
 
+def test_new_streams_are_declared_over_several_channels_and_take_every_record(
+    make: Callable[..., RabbitMQBackend],
+) -> None:
+    # The streams of a batch's new jobs are declared over several channels;
+    # the records then go out on the history channel, each to its job's.
+    a, b = make("host-a"), make("host-b")
+    slot = now_ms() - 5_000
+    jobs = [f"ahead-{i}" for i in range(6)]
+    assert all(c.won for c in a.claim([request(j, slot) for j in jobs]))
+    assert not any(c.won for c in b.claim([request(j, slot) for j in jobs]))
+    # b: a new slot of the same jobs (streams known to a, new to b's
+    # connection) and one new job.
+    later = slot + 1000
+    answers = b.claim([request(j, later) for j in [*jobs, "ahead-new"]])
+    assert all(c.won for c in answers)
+    b.mark_many(answers, State.SENT, task_ids=[f"t-{c.job}" for c in answers])
+    for job in jobs:
+        runs = a.history(job)
+        assert [(r.slot_ms, r.instance, r.state) for r in runs] == [
+            (later, "host-b", State.SENT),
+            (slot, "host-a", State.CLAIMED),
+        ]
+    assert [r.state for r in a.history("ahead-new")] == [State.SENT]
+
+
+def test_a_stream_declared_on_one_of_several_channels_with_other_arguments_is_used(
+    make: Callable[..., RabbitMQBackend],
+) -> None:
+    # The stream exists with another history_size: its declare fails (406)
+    # on one of the stream channels and is made again passively there.
+    a, b = make("host-a"), make("host-b")
+    slot = now_ms() - 5_000
+    assert a.claim([request("sized", slot, history_size=10)])[0].won
+    answers = b.claim([request("sized", slot + 1000, history_size=50), request("other", slot)])
+    assert all(c.won for c in answers)
+    assert [(r.slot_ms, r.instance) for r in a.history("sized")] == [
+        (slot + 1000, "host-b"),
+        (slot, "host-a"),
+    ]
+
+
 def test_history_stream_is_trimmed_by_size(make: Callable[..., RabbitMQBackend]) -> None:
     backend = make("host-a")
     base = now_ms() - 10_000_000

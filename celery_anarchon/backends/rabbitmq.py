@@ -591,6 +591,9 @@ class RabbitMQBackend(Backend):
         self._history_ch: _ConfirmChannel | None = None
         #: History streams declared on the current connection.
         self._streams: set[str] = set()
+        #: Channels the history stream declares are spread over besides the
+        #: history channel (lane 0), by lane.
+        self._stream_chs: dict[int, _ConfirmChannel] = {}
         #: history_size last asked for each job (to declare its stream later).
         self._history_sizes: dict[str, int] = {}
 
@@ -834,6 +837,7 @@ class RabbitMQBackend(Backend):
         self._claim_channels.clear()
         self._history_ch = None
         self._streams.clear()
+        self._stream_chs.clear()
 
     def _claim_channel(self, lane: int) -> _ConfirmChannel:
         channel = self._claim_channels.get(lane)
@@ -846,6 +850,15 @@ class RabbitMQBackend(Backend):
         if self._history_ch is None or not self._history_ch.usable:
             self._history_ch = _ConfirmChannel.opened(self._connection())
         return self._history_ch
+
+    def _stream_channel(self, lane: int) -> _ConfirmChannel:
+        if lane == 0:
+            return self._history_channel()
+        channel = self._stream_chs.get(lane)
+        if channel is None or not channel.usable:
+            channel = _ConfirmChannel.opened(self._connection())
+            self._stream_chs[lane] = channel
+        return channel
 
     def _drain_until(self, done: Callable[[], bool]) -> None:
         """Read frames until ``done()``.
@@ -1314,7 +1327,11 @@ class RabbitMQBackend(Backend):
 
     def _declare_streams(self, jobs: Iterable[str]) -> _ConfirmChannel:
         """The history channel, after declaring the streams of ``jobs`` not
-        yet declared on this connection."""
+        yet declared on this connection, pipelined over up to
+        ``CLAIM_CHANNELS`` channels: the broker creates streams several
+        times faster from several channels at once (measured here: 100 new
+        streams in 1.3 to 1.8 s from one channel, 0.3 to 0.6 s from
+        eight), and a job's first claim creates its stream."""
         todo = [job for job in sorted(jobs) if self.history_queue(job) not in self._streams]
         items = [
             _Declare(
@@ -1323,11 +1340,15 @@ class RabbitMQBackend(Backend):
             )
             for job in todo
         ]
-        lane = _Lane(self._history_channel, items)
         if items:
-            self._declare([lane])
+            count = min(CLAIM_CHANNELS, len(items))
+            lanes = [
+                _Lane(functools.partial(self._stream_channel, index), items[index::count])
+                for index in range(count)
+            ]
+            self._declare(lanes)
             self._streams.update(item.queue for item in items)
-        return lane.channel
+        return self._history_channel()
 
     def history(self, job: str, limit: int | None = None) -> list[RunRecord]:
         """The job's runs, newest slot first, at most ``limit``.
