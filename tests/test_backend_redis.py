@@ -967,6 +967,34 @@ def test_trim_is_amortised_within_a_tenth_of_history_size(
     assert [r.slot_ms for r in backend.history(job, limit=1)] == [now - 50_000 + 44_000]
 
 
+def test_a_frequent_jobs_claim_stops_trimming_at_the_first_kept_record(
+    prefix: str, own_redis: Callable[..., RedisProcess]
+) -> None:
+    # A job claimed every 100 ms keeps 50 records a late instance may still
+    # need (keep_until ahead), beyond history_size=10: each later claim reads
+    # the oldest of them once and stops, instead of reading every one of them
+    # again (commands run by scripts count in INFO commandstats; a Redis of
+    # the test's own, so no other test's scripts count).
+    server = own_redis()
+    raw = server.client()
+    backend = RedisBackend(server.url, instance="host-a", prefix=prefix)
+    backend.open()
+    try:
+        job = job_name()
+        now = backend.now_ms()
+        for i in range(50):
+            slot = now - 5_000 + i * 100
+            assert backend.claim([request(job, slot, history_size=10)])[0].won
+        assert len(backend.history(job)) == 50  # every record still kept
+        before = raw.info("commandstats").get("cmdstat_hget", {}).get("calls", 0)
+        assert backend.claim([request(job, now + 1, history_size=10)])[0].won
+        after = raw.info("commandstats").get("cmdstat_hget", {}).get("calls", 0)
+        assert after - before == 1
+        assert len(backend.history(job)) == 51
+    finally:
+        backend.close()
+
+
 def test_history_expiry_moves_in_steps(make: Callable[..., RedisBackend], raw: redis.Redis) -> None:
     backend, job = make(), job_name()
     now = backend.now_ms()

@@ -140,16 +140,21 @@ local function trim(runs, index, size, ttl, now)
             doomed[#doomed + 1] = member
         end
     end
+    -- Oldest first: a record's keep_until_ms grows with its slot, so past
+    -- the first one still kept (a job due more often than max_late and
+    -- max_skew allow to forget) every later one is kept too. Stopping there
+    -- keeps a frequent job's claims from reading its whole excess each time.
     for _, member in ipairs(doomed) do
         local raw = redis.call('HGET', runs, member)
         local keep = 0
         if raw then
             keep = cjson.decode(raw).keep_until_ms or 0
         end
-        if keep <= now then
-            redis.call('HDEL', runs, member)
-            redis.call('ZREM', index, member)
+        if keep > now then
+            break
         end
+        redis.call('HDEL', runs, member)
+        redis.call('ZREM', index, member)
     end
 end
 
