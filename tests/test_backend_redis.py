@@ -32,7 +32,7 @@ import pytest
 import redis
 
 from celery_anarchon.backends import backend_from_url
-from celery_anarchon.backends.base import Claim, ClaimRequest, InstanceInfo, State
+from celery_anarchon.backends.base import AbsentRecord, Claim, ClaimRequest, InstanceInfo, State
 from celery_anarchon.backends.redis import RedisBackend
 from celery_anarchon.exceptions import BackendUnavailable, ConfigurationError
 
@@ -993,6 +993,25 @@ def test_a_frequent_jobs_claim_stops_trimming_at_the_first_kept_record(
         assert len(backend.history(job)) == 51
     finally:
         backend.close()
+
+
+def test_a_run_now_kept_a_day_does_not_stop_the_trim(make: Callable[..., RedisBackend]) -> None:
+    # A manual run is kept 24 h whatever its slot; the trim steps over it
+    # (review finding on the stop at the first kept record: the history of
+    # a frequent job grew for a day after one run_now).
+    backend, job = make(), job_name()
+    now = backend.now_ms()
+    manual = backend.claim_manual(job, "deploy-1", now + 24 * 3600 * 1000)
+    assert manual.won
+    for i in range(1, 201):  # later slots, each forgettable at once
+        slot = manual.slot_ms + i * 1000
+        [written] = backend.record_many_if_absent(
+            [AbsentRecord(job, slot, State.MISSED, "late", 10, 7 * 24 * 3600 * 1000, 0)]
+        )
+        assert written
+    history = backend.history(job)
+    assert len(history) <= 11  # history_size + a tenth
+    assert manual.slot_ms in {r.slot_ms for r in history}  # kept its day
 
 
 def test_history_expiry_moves_in_steps(make: Callable[..., RedisBackend], raw: redis.Redis) -> None:

@@ -89,6 +89,8 @@ LAST_SLOTS_CHUNK = 1000
 #       oldest is older than ttl (by slot): drop records older than ttl and
 #       the oldest beyond size, but never one whose keep_until_ms is still
 #       ahead: that record guards its slot together with the claim key.
+#       Oldest first, it stops at the first scheduled record still kept
+#       (later ones are kept too), stepping over manual runs (kept a day).
 #       Amortised: most writes only count the records and read the oldest.
 #   set_guard(k, v, t, n)    set claim key k to v, expiring at t (or later,
 #       if it already expires later); deleted when t is not ahead of now
@@ -140,21 +142,25 @@ local function trim(runs, index, size, ttl, now)
             doomed[#doomed + 1] = member
         end
     end
-    -- Oldest first: a record's keep_until_ms grows with its slot, so past
-    -- the first one still kept (a job due more often than max_late and
-    -- max_skew allow to forget) every later one is kept too. Stopping there
-    -- keeps a frequent job's claims from reading its whole excess each time.
+    -- Oldest first: a scheduled record's keep_until_ms grows with its slot,
+    -- so past the first one still kept (a job due more often than max_late
+    -- and max_skew allow to forget) every later one is kept too. Stopping
+    -- there keeps a frequent job's claims from reading its whole excess each
+    -- time. A manual run (run_now) is kept a day whatever its slot: it is
+    -- stepped over, not stopped at.
     for _, member in ipairs(doomed) do
         local raw = redis.call('HGET', runs, member)
-        local keep = 0
+        local run = {}
         if raw then
-            keep = cjson.decode(raw).keep_until_ms or 0
+            run = cjson.decode(raw)
         end
-        if keep > now then
+        local keep = run.keep_until_ms or 0
+        if keep <= now then
+            redis.call('HDEL', runs, member)
+            redis.call('ZREM', index, member)
+        elseif not run.manual_key then
             break
         end
-        redis.call('HDEL', runs, member)
-        redis.call('ZREM', index, member)
     end
 end
 
