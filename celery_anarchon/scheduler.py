@@ -1748,7 +1748,15 @@ class Scheduler(beat.Scheduler):
     def _record_misses(self, misses: Sequence[tuple[Job, list[int], int]]) -> None:
         """Write ``missed`` for each ``(job, slots, total)`` (the newest
         ``history_size`` slots of each job) in batched backend calls, and log
-        one warning per job counting its ``total`` missed slots."""
+        one warning per job counting its ``total`` missed slots. A job may
+        come more than once (a late claim of one slot and its next slot's
+        late ``DUE``): its entries are merged first, so each slot counts
+        once in the metric and the warning."""
+        merged: dict[str, tuple[Job, list[int], int]] = {}
+        for job, slots, total in misses:
+            _, seen, counted = merged.get(job.name, (job, [], 0))
+            merged[job.name] = (job, sorted({*seen, *slots}), counted + total)
+        misses = list(merged.values())
         records = [
             (job, slot, State.MISSED, "later than max_late")
             for job, slots, _ in misses

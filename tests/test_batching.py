@@ -347,3 +347,35 @@ def test_misses_while_the_backend_is_away_are_recorded_once_it_is_back(
         s.close()
         if reader is not None:
             reader.close()
+
+
+def test_a_job_late_twice_in_one_round_counts_each_missed_slot_once(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A backup claims 4 s after the slot; it stalls past max_late (5 s) of
+    # that pending claim and of the job's next slot: one round holds two late
+    # events of one job (review finding: the metric counted 4 for 2 slots).
+    app = make_app(sqlite_url, 1, 10.0, anarchon_jitter=4)
+    slot = next_slot(10.0)
+    clock = Clock(slot - 0.5)
+    s = Scheduler(app, clock=clock)
+    counted: list[tuple[str, int]] = []
+    try:
+        monkeypatch.setattr(s, "_claim_delay_ms", lambda job, slot_ms: 4000)
+        monkeypatch.setattr(s.metrics, "missed", lambda job, n=1: counted.append((job, n)))
+        s.tick()
+        clock.now = slot + 0.1
+        s.tick()  # the slot is due: its claim is planned 4 s later
+        clock.now = slot + 16  # past max_late of the slot and of the next one
+        with caplog.at_level("WARNING", logger="celery_anarchon.scheduler"):
+            s.tick()
+        assert s.backend is not None
+        history = s.backend.history("job-0000")
+        assert sorted((r.slot_ms, r.state) for r in history) == [
+            (int(slot * 1000), State.MISSED),
+            (int(slot * 1000) + 10_000, State.MISSED),
+        ]
+        assert counted == [("job-0000", 2)]
+        assert caplog.text.count("missed 2 slot(s) of job-0000") == 1
+    finally:
+        s.close()
