@@ -372,7 +372,10 @@ def history(ctx: click.Context, job: str, limit: int, as_json: bool) -> None:
             return
         note = "" if known else " (no longer in beat_schedule)"
         if not records:
-            click.echo(f"{job}: no runs recorded yet")
+            # Say where we looked: the SQLite default lives beside the
+            # schedule file, so a command run from another folder reads
+            # (and creates) another, empty file.
+            click.echo(f"{job}: no runs recorded yet in {control.backend.describe()}")
             return
         click.echo(f"{job}{note}: {len(records)} run(s), newest first; times after the slot")
         rows = [

@@ -527,6 +527,9 @@ class WorkerIntegration:
         current = records[0]
         if current.token != claim.token:
             return f"token superseded by {current.token} (record {current.state})"
+        if current.state in (State.MISSED, State.SKIPPED, State.LOST, State.SUPERSEDED):
+            why = f": {current.error}" if current.error else ""
+            return f"the slot is recorded {current.state}{why}, not to be run"
         return f"the run already started (record {current.state})"
 
     def _strict(self) -> bool:
