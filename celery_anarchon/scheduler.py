@@ -1880,7 +1880,7 @@ class Scheduler(beat.Scheduler):
         if self._outage_since is None:
             self._outage_since = now
             self._backoff = BACKOFF_MIN
-            logger.error(
+            logger.warning(
                 "anarchon: claim backend %s is unavailable (%s); no slot is sent "
                 "until it answers again. Retrying with backoff.",
                 self._backend.describe() if self._backend else "?",
