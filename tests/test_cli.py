@@ -163,6 +163,22 @@ GLOBAL_CASES = [
         "beat_schedule['fine']",
         "need a lease backend",
     ),
+    # Every lease-only feature is refused by name on RabbitMQ (claim-only).
+    (
+        {"anarchon_backend": "amqp://guest:guest@127.0.0.1:5672//", "anarchon_lease_ttl": 20},
+        "beat_schedule['fine']",
+        "lease_ttl (backup runners) need a lease backend",
+    ),
+    (
+        {"anarchon_backend": "amqp://guest:guest@127.0.0.1:5672//", "anarchon_catch_up": "latest"},
+        "beat_schedule['fine']",
+        "catch_up='latest' need a lease backend",
+    ),
+    (
+        {"anarchon_backend": "amqp://guest:guest@127.0.0.1:5672//", "anarchon_history_ttl": 3600},
+        "beat_schedule['fine']",
+        "history_ttl (RabbitMQ history is trimmed by size only) need a lease backend",
+    ),
 ]
 
 
