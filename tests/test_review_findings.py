@@ -16,11 +16,15 @@ import pytest
 
 import celery_anarchon.scheduler as scheduler_module
 from celery_anarchon.backends import backend_from_url
-from celery_anarchon.backends.base import State
+from celery_anarchon.backends.base import ClaimRequest, State
 from celery_anarchon.exceptions import BackendUnavailable
-from celery_anarchon.scheduler import Scheduler
+from celery_anarchon.scheduler import MAX_CLAIM_BATCH, Scheduler
 
+from .conftest import backend_options, backend_url, require_service
 from .test_batching import Clock, make_app, next_slot, sent_slots
+from .test_lease_features import make_app as lease_app
+from .test_lease_features import open_backend
+from .test_take_over_checks import app_with_slot, claim_and_die, records
 
 
 @pytest.fixture
@@ -111,9 +115,6 @@ def test_a_take_over_check_that_meets_a_blip_is_checked_again(
     # blip (a Redis failover, a PostgreSQL restart: every instance sees it
     # at once). The backend answers again a moment later, well within
     # max_late=30: the slot must still be sent, or at least recorded.
-    from .test_lease_features import open_backend
-    from .test_lease_features import sent_slots as queued
-    from .test_take_over_checks import app_with_slot, claim_and_die, records
 
     url = f"sqlite:///{tmp_path / 'claims.db'}"
     app, slot_ms, before = app_with_slot(url, anarchon_max_late=30)
@@ -126,7 +127,7 @@ def test_a_take_over_check_that_meets_a_blip_is_checked_again(
         claim_and_die(dead, slot_ms)
         clock.now = slot_ms / 1000
         s.tick()  # loses the race: a take-over check is planned at lease end
-        assert queued(app) == []
+        assert sent_slots(app) == []
         time.sleep(1.2)  # the dead owner's lease ends (backend clock)
         real = s.backend.take_over_many
         blips: list[int] = []
@@ -145,7 +146,7 @@ def test_a_take_over_check_that_meets_a_blip_is_checked_again(
         for step in range(4, 40):  # the backend answers; ticks go on past max_late
             clock.now = slot_ms / 1000 + step
             s.tick()
-            sent += queued(app)
+            sent += sent_slots(app)
         states = [r.state for r in records(s, slot_ms)]
         assert sent == [("k", slot_ms)] or states[0] in (State.LOST, State.MISSED), (
             sent,
@@ -158,7 +159,6 @@ def test_a_take_over_check_that_meets_a_blip_is_checked_again(
 
 @pytest.fixture(params=["sqlite", "postgresql", "mysql", "redis"])
 def lease_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    from .conftest import backend_url, require_service
 
     name: str = request.param
     require_service(name)
@@ -175,9 +175,6 @@ def test_a_retried_sent_mark_never_moves_a_finished_run_back(lease_url: str) -> 
     # contract); by then the worker may have recorded running, then
     # succeeded. The retry must answer True (no false 'taken over' warning)
     # and leave the run succeeded; a superseded token's retry is refused.
-    from celery_anarchon.backends.base import ClaimRequest
-
-    from .conftest import backend_options
 
     scheme = lease_url.split(":")[0].split("+")[0]
     options = backend_options("postgresql" if scheme == "postgresql" else scheme)
@@ -209,9 +206,6 @@ def test_shutdown_leaves_a_failed_send_to_the_backup_while_it_can_still_send_it(
     # broker): the claim is left to a backup at lease end (1 s). B lost the
     # race and checks at lease end. A is stopped just after its lease ended,
     # 28 s before max_late: B can take the slot over and send it.
-    from .test_lease_features import open_backend
-    from .test_lease_features import sent_slots as queued
-    from .test_take_over_checks import app_with_slot, records
 
     url = f"sqlite:///{tmp_path / 'claims.db'}"
     app, slot_ms, before = app_with_slot(url, anarchon_max_late=30)
@@ -244,7 +238,7 @@ def test_shutdown_leaves_a_failed_send_to_the_backup_while_it_can_still_send_it(
             clock_b.now = slot_ms / 1000 + step
             b.tick()
         states = [r.state for r in records(b, slot_ms)]
-        assert queued(app) == [("k", slot_ms)], states
+        assert sent_slots(app) == [("k", slot_ms)], states
     finally:
         a.close()
         b.close()
@@ -298,13 +292,10 @@ def test_a_given_back_slot_is_published_once_with_a_peer_racing_for_it(
     # the rest back. Peer B ticks right after each give-back (it claims the
     # released slots at once); A then claims what is left afresh. Every slot
     # must be published once and recorded sent once, on every lease backend.
-    from .test_lease_features import make_app as lease_app
-    from .test_lease_features import sent_slots as queued
 
     slot = next_slot(10.0)
     slot_ms = int(slot * 1000)
     schedule = {f"g-{i:02d}": {"task": "t.g", "schedule": 10.0} for i in range(20)}
-    from .conftest import backend_options
 
     # A namespace of this test's own under the run's prefix (the run's
     # clean-up still finds it): the run's prefix alone is every test's in
@@ -347,7 +338,7 @@ def test_a_given_back_slot_is_published_once_with_a_peer_racing_for_it(
             a.tick()
             clock_b.now = clock_a.now
             b.tick()
-            sent += queued(app)
+            sent += sent_slots(app)
             if len(sent) >= 20:
                 break
         time.sleep(1.5)  # every lease ends; late take-over checks find them sent
@@ -355,7 +346,7 @@ def test_a_given_back_slot_is_published_once_with_a_peer_racing_for_it(
             clock_a.now = clock_b.now = slot + step
             a.tick()
             b.tick()
-        sent += queued(app)
+        sent += sent_slots(app)
         assert given, "no batch was given back"
         assert sorted(sent) == [(f"g-{i:02d}", slot_ms) for i in range(20)]
         assert a.backend is not None
@@ -375,7 +366,6 @@ def test_a_lone_instance_sends_thousands_due_at_once_each_once(sqlite_url: str) 
     # 3,000 slots due in the same second, the default 30 s lease: claims
     # go in capped batches (at most MAX_CLAIM_BATCH), the rest waits in the
     # heap; every slot is sent once and recorded sent, none missed.
-    from celery_anarchon.scheduler import MAX_CLAIM_BATCH
 
     jobs = 3000
     app = make_app(sqlite_url, jobs, 60.0, anarchon_max_late=30)
