@@ -21,7 +21,7 @@ from celery_anarchon.exceptions import BackendUnavailable
 from celery_anarchon.scheduler import MAX_CLAIM_BATCH, Scheduler
 
 from .conftest import backend_options, backend_url, require_service
-from .test_batching import Clock, make_app, next_slot, sent_slots
+from .test_batching import Clock, make_app, next_slot, sent_slots, spy
 from .test_lease_features import make_app as lease_app
 from .test_lease_features import open_backend
 from .test_take_over_checks import app_with_slot, claim_and_die, records
@@ -264,13 +264,7 @@ def test_overlap_skip_reads_each_deferred_slot_once(sqlite_url: str) -> None:
     reads: list[str] = []
     try:
         assert s.backend is not None
-        real = s.backend.history
-
-        def history(job: str, limit: int | None = None) -> Any:
-            reads.append(job)
-            return real(job, limit)
-
-        s.backend.history = history  # type: ignore[method-assign]
+        spy(s.backend, "history", reads, lambda job, limit=None: job)
         clock.now = slot + 0.1
         sent: list[tuple[str, int]] = []
         for _ in range(40):
@@ -377,13 +371,7 @@ def test_a_lone_instance_sends_thousands_due_at_once_each_once(sqlite_url: str) 
         assert s.backend is not None
         s.tick()
         assert s._peers == [s.instance_id]
-        real = s.backend.claim
-
-        def claim(requests: Any) -> Any:
-            batches.append(len(requests))
-            return real(requests)
-
-        s.backend.claim = claim  # type: ignore[method-assign]
+        spy(s.backend, "claim", batches, lambda requests: len(requests))
         clock.now = slot + 0.1
         sent: list[tuple[str, int]] = []
         for _ in range(60):
