@@ -338,14 +338,7 @@ def lateness(
         seen = max(seen, count)
     if not late:
         return {}
-    return {
-        "messages": len(late),
-        "p50": common.percentile(late, 50),
-        "p90": common.percentile(late, 90),
-        "p99": common.percentile(late, 99),
-        "max": max(late),
-        "over_2s": sum(1 for x in late if x > 2.0),
-    }
+    return {"messages": len(late), **common.lateness_stats(late)}
 
 
 def choose_slot(run: Run, ready_at: float, fixed: float | None) -> float:

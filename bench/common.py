@@ -83,6 +83,19 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[rank]
 
 
+def lateness_stats(late: Sequence[float]) -> dict[str, Any]:
+    """Lateness of messages, seconds after their slot: ``p50``, ``p90``,
+    ``p99``, ``max`` (None when there is none) and ``over_2s``, how many
+    came more than 2 s late."""
+    return {
+        "p50": percentile(late, 50) if late else None,
+        "p90": percentile(late, 90) if late else None,
+        "p99": percentile(late, 99) if late else None,
+        "max": max(late) if late else None,
+        "over_2s": sum(1 for x in late if x > 2.0),
+    }
+
+
 def spread(values: Sequence[float]) -> dict[str, float]:
     """Median, min and max of per-repeat figures."""
     if not values:
