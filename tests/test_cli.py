@@ -158,26 +158,23 @@ GLOBAL_CASES = [
     ({"timezone": "Mars/Olympus_Mons"}, "timezone", "unknown time zone"),
     ({"anarchon_registry_ttl": 3}, "anarchon_registry_ttl", "at least 10s"),
     ({"anarchon_metrics_port": 99999}, "anarchon_metrics_port", "TCP port"),
-    (
-        {"anarchon_backend": "amqp://guest:guest@127.0.0.1:5672//", "anarchon_overlap": "skip"},
-        "beat_schedule['fine']",
-        "need a lease backend",
-    ),
     # Every lease-only feature is refused by name on RabbitMQ (claim-only).
-    (
-        {"anarchon_backend": "amqp://guest:guest@127.0.0.1:5672//", "anarchon_lease_ttl": 20},
-        "beat_schedule['fine']",
-        "lease_ttl (backup runners) need a lease backend",
-    ),
-    (
-        {"anarchon_backend": "amqp://guest:guest@127.0.0.1:5672//", "anarchon_catch_up": "latest"},
-        "beat_schedule['fine']",
-        "catch_up='latest' need a lease backend",
-    ),
-    (
-        {"anarchon_backend": "amqp://guest:guest@127.0.0.1:5672//", "anarchon_history_ttl": 3600},
-        "beat_schedule['fine']",
-        "history_ttl (RabbitMQ history is trimmed by size only) need a lease backend",
+    *(
+        (
+            {"anarchon_backend": "amqp://guest:guest@127.0.0.1:5672//", setting: value},
+            "beat_schedule['fine']",
+            f"{named} need a lease backend",
+        )
+        for setting, value, named in [
+            ("anarchon_overlap", "skip", "overlap='skip'"),
+            ("anarchon_lease_ttl", 20, "lease_ttl (backup runners)"),
+            ("anarchon_catch_up", "latest", "catch_up='latest'"),
+            (
+                "anarchon_history_ttl",
+                3600,
+                "history_ttl (RabbitMQ history is trimmed by size only)",
+            ),
+        ]
     ),
 ]
 
