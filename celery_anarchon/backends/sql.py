@@ -1102,7 +1102,11 @@ class SQLBackend(Backend):
         record = AbsentRecord(
             job, slot_ms, State(state), error, history_size, history_ttl_ms, keep_until_ms
         )
-        return self.record_many_if_absent([record])[0]
+        with self._write("record") as conn:
+            written = self._insert_if_absent(conn, self._tables.runs, self._absent_row(record))
+        if written:
+            self._after_writes([(key_of(job), history_size, history_ttl_ms)])
+        return written
 
     def record_many_if_absent(self, records: Sequence[AbsentRecord]) -> list[bool]:
         """:meth:`record_if_absent` for many slots in one transaction: the
