@@ -28,13 +28,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 import uuid
-from pathlib import Path
-from typing import Any
 
 from . import common
+from .burst import Config, claim_backend
 from .common import log
 
 PERIOD = 60.0
@@ -48,46 +46,27 @@ class _Clock:
         return self.now
 
 
-def _namespace(backend: str, tmp: Path) -> tuple[str, dict[str, Any], Any]:
-    """URL, backend options and a clean-up callable for a fresh namespace."""
-    tag = uuid.uuid4().hex[:6]
-    if backend == "redis":
-        prefix = f"anarchon-bench-{common.RUN_ID}-miss{tag}:"
-
-        def clean() -> None:
-            import redis
-
-            client = redis.Redis.from_url(common.REDIS_URL)
-            common.redis_delete(client, "{" + prefix + "*")
-            client.close()
-
-        return common.REDIS_URL, {"prefix": prefix}, clean
-    if backend == "postgresql":
-        prefix = f"b{common.RUN_ID}m{tag}_"
-        return (
-            common.POSTGRES_URL,
-            {"prefix": prefix},
-            lambda: common.drop_sql_tables(common.POSTGRES_URL, prefix),
-        )
-    if backend == "sqlite":
-        return f"sqlite:///{tmp / f'{tag}.db'}", {}, lambda: None
-    raise SystemExit(f"unknown backend {backend!r}: use redis, postgresql or sqlite")
+def run_once(backend: str, jobs: int, batched: bool) -> dict[str, float]:
+    """One repeat, in a namespace of its own (``bench.burst.claim_backend``:
+    a Redis key prefix, SQL tables or a SQLite file, removed afterwards)."""
+    tag = f"{common.RUN_ID}-miss{uuid.uuid4().hex[:6]}"
+    with claim_backend(Config("anarchon", backend), tag) as url:
+        assert url is not None
+        return _measure(url, jobs, batched)
 
 
-def run_once(backend: str, jobs: int, batched: bool, tmp: Path) -> dict[str, float]:
-    """One repeat: wall and CPU seconds of the tick that records the misses."""
+def _measure(url: str, jobs: int, batched: bool) -> dict[str, float]:
+    """Wall and CPU seconds of the tick that records the misses."""
     from celery import Celery
 
     from celery_anarchon import Scheduler
     from celery_anarchon.backends.base import Backend, State
 
-    url, options, clean = _namespace(backend, tmp)
     app = Celery(f"misses-{uuid.uuid4().hex[:6]}", set_as_current=False)
     app.conf.update(
         broker_url="memory://",
         task_default_queue=f"q-{uuid.uuid4().hex[:8]}",
         anarchon_backend=url,
-        anarchon_backend_options=options,
         anarchon_jitter=0,
         anarchon_max_late=5,
         anarchon_max_skew=120,
@@ -125,7 +104,6 @@ def run_once(backend: str, jobs: int, batched: bool, tmp: Path) -> dict[str, flo
         return {"wall": wall, "cpu": cpu}
     finally:
         s.close()
-        clean()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,18 +116,20 @@ def main(argv: list[str] | None = None) -> int:
     common.exit_on_sigterm()
     backends = [b for b in args.backends.split(",") if b]
     raw: dict[str, dict[str, list[dict[str, float]]]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for backend in backends:
-            if backend != "sqlite" and not common.service_up(backend):
-                log(f"{backend} is not running here: skipped")
-                continue
-            runs: dict[str, list[dict[str, float]]] = {"batched": [], "per slot": []}
-            for repeat in range(args.repeats):
-                for batched in (repeat % 2 == 0, repeat % 2 == 1):  # alternate the order
-                    name = "batched" if batched else "per slot"
-                    log(f"{backend} {name} repeat {repeat + 1}/{args.repeats}")
-                    runs[name].append(run_once(backend, args.jobs, batched, Path(tmp)))
-            raw[backend] = runs
+    unknown = [b for b in backends if b not in ("redis", "postgresql", "sqlite")]
+    if unknown:
+        raise SystemExit(f"unknown backend {unknown[0]!r}: use redis, postgresql or sqlite")
+    for backend in backends:
+        if backend != "sqlite" and not common.service_up(backend):
+            log(f"{backend} is not running here: skipped")
+            continue
+        runs: dict[str, list[dict[str, float]]] = {"batched": [], "per slot": []}
+        for repeat in range(args.repeats):
+            for batched in (repeat % 2 == 0, repeat % 2 == 1):  # alternate the order
+                name = "batched" if batched else "per slot"
+                log(f"{backend} {name} repeat {repeat + 1}/{args.repeats}")
+                runs[name].append(run_once(backend, args.jobs, batched))
+        raw[backend] = runs
     print(common.header(f"Recording {args.jobs:,} missed slots in one tick"))
     rows = []
     for backend, runs in raw.items():
