@@ -149,3 +149,25 @@ def test_profile_summary(tmp_path: Path) -> None:
     text = profile.summarise(raw)
     assert "| claim batch (backend.claim) | 30 | 75.0 | 100 |" in text
     assert "40 samples" in text
+
+
+def test_compare_runs_both_checkouts_and_reports_ratios(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``bench.compare`` runs the benchmark in each checkout, alternating, and
+    prints per-figure medians and their ratio. Both sides are this checkout,
+    so both sides have figures; no figure's value is checked."""
+    from bench import compare
+
+    here = str(Path(__file__).resolve().parents[1])
+    argv = ["--before", here, "--after", here, "--repeats", "1", "scale"]
+    argv += ["--sizes", "200", "--backends", "stub", "--idle", "1", "--due", "20"]
+    assert compare.main(argv) == 0
+    printed = capsys.readouterr().out
+    rows = [line for line in printed.splitlines() if line.startswith("| stub 200 |")]
+    assert {row.split(" | ")[1] for row in rows} >= {"start-up s", "RSS MiB"}
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[2] != "-" and cells[3] != "-", row
+        float(cells[4])  # a ratio of two medians
+        assert cells[5] == "1/1"
