@@ -19,17 +19,15 @@ from typing import Any
 import pytest
 from celery import Celery
 
-import celery_anarchon.scheduler as scheduler_module
+import celery_anarchon.beat.publisher as publisher_module
 from celery_anarchon.backends import backend_from_url
 from celery_anarchon.backends.base import Backend, State
-from celery_anarchon.scheduler import (
-    MARK_CHUNK,
-    MIN_CLAIM_BATCH,
-    RECORD_CHUNK,
-    Scheduler,
-    task_id_for,
-)
+from celery_anarchon.beat.claiming import MIN_CLAIM_BATCH
+from celery_anarchon.beat.journal import MARK_CHUNK, RECORD_CHUNK
+from celery_anarchon.beat.scheduler import Scheduler
+from celery_anarchon.message import task_id_for
 
+from .beat.support import delay_sends
 from .faults.servers import RedisServer
 from .test_lease_features import Clock, sent_slots
 
@@ -113,7 +111,7 @@ def test_a_claim_batch_fits_in_a_share_of_the_lease(
     # 200 slots due at once. With a 2 s lease and sends slowed to 10 ms
     # each, a batch may hold only what is sent in 0.5 s: the smallest batch;
     # the rest waits in the heap. With a 30 s lease, one batch takes all.
-    app = make_app(sqlite_url, 200, 10.0, anarchon_lease_ttl=lease, anarchon_test_send_delay=delay)
+    app = make_app(sqlite_url, 200, 10.0, anarchon_lease_ttl=lease)
     slot = next_slot(10.0)
     clock = Clock(slot - 0.5)
     s = Scheduler(app, clock=clock)
@@ -122,7 +120,8 @@ def test_a_claim_batch_fits_in_a_share_of_the_lease(
         assert s.backend is not None
         spy(s.backend, "claim", batches, lambda requests: len(requests))
         clock.now = slot + 0.1
-        tick_until(s, lambda: sum(batches) >= 200)
+        with delay_sends(delay):
+            tick_until(s, lambda: sum(batches) >= 200)
         assert max(batches) == most and sum(batches) == 200
         sent = sent_slots(app)
         assert len(sent) == 200 and len(set(sent)) == 200
@@ -196,7 +195,7 @@ def test_sent_marks_lost_to_an_outage_are_retried(
     slot_ms = int(slot * 1000)
     clock = Clock(slot - 0.5)
     s = Scheduler(app, clock=clock)
-    real_send = scheduler_module.send_slot
+    real_send = publisher_module.send_slot
 
     def send_then_crash(*args: Any, **kwargs: Any) -> Any:
         if own_redis.proc is not None:
@@ -205,16 +204,16 @@ def test_sent_marks_lost_to_an_outage_are_retried(
 
     backup: Backend | None = None
     try:
-        monkeypatch.setattr(scheduler_module, "send_slot", send_then_crash)
+        monkeypatch.setattr(publisher_module, "send_slot", send_then_crash)
         clock.now = slot + 0.1
         s.tick()
         assert sorted(sent_slots(app)) == [(f"job-{i:04d}", slot_ms) for i in range(5)]
-        assert len(s._unmarked) == 5  # kept for a retry
+        assert len(s.journal.unmarked) == 5  # kept for a retry
         own_redis.start()
-        monkeypatch.setattr(scheduler_module, "send_slot", real_send)
+        monkeypatch.setattr(publisher_module, "send_slot", real_send)
         clock.now = slot + 5  # past the reconnect backoff
         s.tick()
-        assert s._unmarked == []
+        assert s.journal.unmarked == []
         backup = backend_from_url(url, instance="backup")
         backup.open()
         for i in range(5):
@@ -243,7 +242,7 @@ def test_a_batch_sending_slower_than_its_lease_allows_gives_the_rest_back(
     slot = next_slot(10.0)
     clock = Clock(slot - 0.5)
     s = Scheduler(app, clock=clock)
-    real_send = scheduler_module.send_slot
+    real_send = publisher_module.send_slot
 
     def slow_send(*args: Any, **kwargs: Any) -> Any:
         clock.now += 0.1
@@ -255,7 +254,7 @@ def test_a_batch_sending_slower_than_its_lease_allows_gives_the_rest_back(
         assert s.backend is not None
         spy(s.backend, "claim", batches, lambda requests: len(requests))
         spy(s.backend, "release", released, lambda claims: len(claims))
-        monkeypatch.setattr(scheduler_module, "send_slot", slow_send)
+        monkeypatch.setattr(publisher_module, "send_slot", slow_send)
         clock.now = slot + 0.1
         sent_slots_seen: list[tuple[str, int]] = []
 
@@ -263,7 +262,7 @@ def test_a_batch_sending_slower_than_its_lease_allows_gives_the_rest_back(
             sent_slots_seen.extend(sent_slots(app))
             return len(sent_slots_seen) >= 20
 
-        with caplog.at_level("INFO", logger="celery_anarchon.scheduler"):
+        with caplog.at_level("INFO", logger="celery_anarchon.beat"):
             tick_until(s, all_sent)
         slot_ms = int(slot * 1000)
         assert sorted(sent_slots_seen) == [(f"job-{i:04d}", slot_ms) for i in range(20)]
@@ -295,7 +294,7 @@ def test_misses_of_a_round_are_recorded_in_batches(
         spy(s.backend, "record_many_if_absent", batches, lambda records: len(records))
         spy(s.backend, "record_if_absent", singles, lambda *args, **kwargs: 1)
         clock.now = slot + 6
-        with caplog.at_level("WARNING", logger="celery_anarchon.scheduler"):
+        with caplog.at_level("WARNING", logger="celery_anarchon.beat"):
             s.tick()
         assert batches == [RECORD_CHUNK, 100] and singles == []
         assert sent_slots(app) == []
@@ -332,11 +331,13 @@ def test_misses_while_the_backend_is_away_are_recorded_once_it_is_back(
         own_redis.crash()
         clock.now = slot + 6  # every slot past max_late while Redis is down
         s.tick()
-        assert sorted(name for name, *_ in s._unrecorded) == [f"job-{i:04d}" for i in range(5)]
+        assert sorted(job.name for job, *_ in s.journal.unrecorded) == [
+            f"job-{i:04d}" for i in range(5)
+        ]
         own_redis.start()
         clock.now = slot + 9  # past the reconnect backoff, before the next slot
         s.tick()
-        assert list(s._unrecorded) == []
+        assert list(s.journal.unrecorded) == []
         reader = backend_from_url(url, instance="reader")
         reader.open()
         for i in range(5):
@@ -361,13 +362,13 @@ def test_a_job_late_twice_in_one_round_counts_each_missed_slot_once(
     s = Scheduler(app, clock=clock)
     counted: list[tuple[str, int]] = []
     try:
-        monkeypatch.setattr(s, "_claim_delay_ms", lambda job, slot_ms: 4000)
+        monkeypatch.setattr(s.registry, "claim_delay_ms", lambda job, slot_ms: 4000)
         monkeypatch.setattr(s.metrics, "missed", lambda job, n=1: counted.append((job, n)))
         s.tick()
         clock.now = slot + 0.1
         s.tick()  # the slot is due: its claim is planned 4 s later
         clock.now = slot + 16  # past max_late of the slot and of the next one
-        with caplog.at_level("WARNING", logger="celery_anarchon.scheduler"):
+        with caplog.at_level("WARNING", logger="celery_anarchon.beat"):
             s.tick()
         assert s.backend is not None
         history = s.backend.history("job-0000")

@@ -18,7 +18,8 @@ from kombu import Connection
 
 from celery_anarchon.backends import backend_from_url
 from celery_anarchon.backends.base import Backend, ClaimRequest, InstanceInfo, State
-from celery_anarchon.scheduler import Scheduler
+from celery_anarchon.beat.agenda import CLAIM, Slot
+from celery_anarchon.beat.scheduler import Scheduler
 
 from .conftest import backend_options, backend_url, require_service
 
@@ -272,7 +273,8 @@ def test_close_releases_claims_won_but_not_sent(url: str) -> None:
     s = Scheduler(app, clock=Clock(float(now)))
     request = s.jobs["h"].claim_request(now * 1000, 10)
     claim = s.backend.claim([request])[0]  # type: ignore[union-attr]
-    s._held[("h", now * 1000)] = claim  # as if SIGTERM hit between claim and send
+    slot = Slot(s.jobs["h"], now * 1000, CLAIM)
+    s.claimer.hold(slot, claim)  # as if SIGTERM hit between claim and send
     s.close()
     other = open_backend(app, "other")
     try:
@@ -295,9 +297,9 @@ def test_rendezvous_spreads_a_burst_across_instances(url: str) -> None:
         for s in schedulers:
             s.tick()  # registers; the second round reads every peer
         for s in schedulers:
-            s._next_heartbeat = 0
+            s.registry.next_heartbeat = 0
             s.tick()
-            s._plan_first_slots()
+            s.agenda.plan_first_slots()
         clock.now = slot
         for s in schedulers:
             s.tick()  # preferred owners claim at the slot
@@ -333,9 +335,9 @@ def test_a_lone_instance_claims_at_the_slot(url: str) -> None:
     alone = Scheduler(app, clock=clock)
     others: list[Scheduler] = []
     try:
-        alone._random.randint = lambda low, high: high  # type: ignore[method-assign]
+        alone.registry.random.randint = lambda low, high: high  # type: ignore[method-assign]
         alone.tick()  # the first heartbeat: the registry shows this instance alone
-        assert alone._peers == [alone.instance_id]
+        assert alone.registry.peers == [alone.instance_id]
         clock.now = slot
         alone.tick()  # claims at the slot, not after a random part of the jitter
         assert sorted(sent_slots(app)) == sorted((f"j{i}", slot * 1000) for i in range(20))
@@ -343,11 +345,11 @@ def test_a_lone_instance_claims_at_the_slot(url: str) -> None:
         # after the jitter.
         others.append(Scheduler(app, clock=clock))
         others[0].tick()
-        alone._next_heartbeat = 0
+        alone.registry.next_heartbeat = 0
         alone.tick()
-        assert len(alone._peers) == 2
+        assert len(alone.registry.peers) == 2
         next_slot = (slot + 3600) * 1000
-        delays = {alone._claim_delay_ms(alone.jobs[f"j{i}"], next_slot) for i in range(20)}
+        delays = {alone.registry.claim_delay_ms(alone.jobs[f"j{i}"], next_slot) for i in range(20)}
         assert delays == {0, 2000}
     finally:
         for s in [alone, *others]:
@@ -363,7 +365,7 @@ def test_drift_is_warned_once_and_definitions_are_read_once(
             "changed": {"task": "t.changed", "schedule": changed},
         }
 
-    caplog.set_level(logging.WARNING, logger="celery_anarchon.scheduler")
+    caplog.set_level(logging.WARNING, logger="celery_anarchon.beat")
     clock = Clock(float(int(time.time())))
     app_a = make_app(url, schedule(3600.0))
     shared = app_a.conf.anarchon_backend_options  # one registry for both
@@ -387,7 +389,7 @@ def test_drift_is_warned_once_and_definitions_are_read_once(
         monkeypatch.setattr(a.backend, "register", spy_register)
         b.tick()
         for _ in range(3):
-            a._next_heartbeat = 0
+            a.registry.next_heartbeat = 0
             a.tick()
         assert read == [b.instance_id]  # once, though three heartbeats saw b
         assert sent_jobs == [2, 0, 0]  # definitions with the first heartbeat only

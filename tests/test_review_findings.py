@@ -14,12 +14,14 @@ from typing import Any
 
 import pytest
 
-import celery_anarchon.scheduler as scheduler_module
+import celery_anarchon.beat.publisher as publisher_module
 from celery_anarchon.backends import backend_from_url
 from celery_anarchon.backends.base import ClaimRequest, State
+from celery_anarchon.beat.claiming import MAX_CLAIM_BATCH
+from celery_anarchon.beat.scheduler import Scheduler
 from celery_anarchon.exceptions import BackendUnavailable
-from celery_anarchon.scheduler import MAX_CLAIM_BATCH, Scheduler
 
+from .beat.support import delay_sends
 from .conftest import backend_options, backend_url, require_service
 from .test_batching import Clock, make_app, next_slot, sent_slots, spy
 from .test_lease_features import make_app as lease_app
@@ -43,7 +45,7 @@ def test_an_ambiguous_publish_failure_is_not_published_again(
     slot = next_slot(10.0)
     clock = Clock(slot - 0.5)
     s = Scheduler(app, clock=clock)
-    real_send = scheduler_module.send_slot
+    real_send = publisher_module.send_slot
     calls: list[int] = []
 
     def delivered_then_dropped(*args: Any, **kwargs: Any) -> Any:
@@ -54,7 +56,7 @@ def test_an_ambiguous_publish_failure_is_not_published_again(
         return result
 
     try:
-        monkeypatch.setattr(scheduler_module, "send_slot", delivered_then_dropped)
+        monkeypatch.setattr(publisher_module, "send_slot", delivered_then_dropped)
         clock.now = slot + 0.1
         s.tick()
         slot_ms = int(slot * 1000)
@@ -93,7 +95,7 @@ def test_close_after_a_blip_still_records_what_was_sent(
     clock.now = slot + 0.1
     s.tick()
     assert len(sent_slots(app)) == 3
-    assert len(s._unmarked) == 3
+    assert len(s.journal.unmarked) == 3
     s.close()  # SIGTERM right after the blip: the backend answers again
     check = backend_from_url(sqlite_url, instance="checker")
     check.open()
@@ -212,7 +214,7 @@ def test_shutdown_leaves_a_failed_send_to_the_backup_while_it_can_still_send_it(
     clock_a, clock_b = Clock(before), Clock(before)
     a = Scheduler(app, clock=clock_a)
     b = Scheduler(app, clock=clock_b)
-    real_send = scheduler_module.send_slot
+    real_send = publisher_module.send_slot
     broker_down = [True]
 
     def send(*args: Any, **kwargs: Any) -> Any:
@@ -220,7 +222,7 @@ def test_shutdown_leaves_a_failed_send_to_the_backup_while_it_can_still_send_it(
             raise ConnectionRefusedError("A cannot reach Celery's broker")
         return real_send(*args, **kwargs)
 
-    monkeypatch.setattr(scheduler_module, "send_slot", send)
+    monkeypatch.setattr(publisher_module, "send_slot", send)
     try:
         a.tick()
         b.tick()
@@ -228,12 +230,12 @@ def test_shutdown_leaves_a_failed_send_to_the_backup_while_it_can_still_send_it(
         a.tick()  # A alone in its view: claims at the slot, the publish fails
         b.tick()  # B loses the race: a take-over check at the lease's end
         assert [r.state for r in records(a, slot_ms)] == [State.CLAIMED]
-        assert (("k", slot_ms)) in {(n, s) for n, s in b._take_over_due}
+        assert ("k", slot_ms) in b.take_over.watching
         broker_down[0] = False
         time.sleep(1.2)  # A's lease ends (backend clock)
         clock_a.now = clock_b.now = slot_ms / 1000 + 1.3
         a.close()  # SIGTERM: 28 s before max_late
-        b._next_heartbeat = 0  # B's heartbeat sees A leave
+        b.registry.next_heartbeat = 0  # B's heartbeat sees A leave
         for step in (1.5, 2.0, 3.0, 5.0):
             clock_b.now = slot_ms / 1000 + step
             b.tick()
@@ -255,7 +257,6 @@ def test_overlap_skip_reads_each_deferred_slot_once(sqlite_url: str) -> None:
         jobs,
         10.0,
         anarchon_lease_ttl=2,
-        anarchon_test_send_delay=0.01,
         anarchon_overlap="skip",
     )
     slot = next_slot(10.0)
@@ -268,7 +269,8 @@ def test_overlap_skip_reads_each_deferred_slot_once(sqlite_url: str) -> None:
         clock.now = slot + 0.1
         sent: list[tuple[str, int]] = []
         for _ in range(40):
-            s.tick()
+            with delay_sends(0.01):
+                s.tick()
             sent += sent_slots(app)
             if len(sent) >= jobs:
                 break
@@ -309,8 +311,8 @@ def test_a_given_back_slot_is_published_once_with_a_peer_racing_for_it(
     a.tick()  # A registers first: alone in its view, it claims at the slot
     b = Scheduler(app, clock=clock_b)
     b.tick()
-    real_send = scheduler_module.send_slot
-    real_give_back = a._give_back
+    real_send = publisher_module.send_slot
+    real_give_back = a.claimer.give_back
     given: list[int] = []
 
     def slow_send(*args: Any, **kwargs: Any) -> Any:
@@ -323,8 +325,8 @@ def test_a_given_back_slot_is_published_once_with_a_peer_racing_for_it(
         clock_b.now = clock_a.now
         b.tick()
 
-    monkeypatch.setattr(scheduler_module, "send_slot", slow_send)
-    monkeypatch.setattr(a, "_give_back", give_back_then_peer)
+    monkeypatch.setattr(publisher_module, "send_slot", slow_send)
+    monkeypatch.setattr(a.claimer, "give_back", give_back_then_peer)
     try:
         clock_a.now = slot + 0.1
         sent: list[tuple[str, int]] = []
@@ -370,7 +372,7 @@ def test_a_lone_instance_sends_thousands_due_at_once_each_once(sqlite_url: str) 
     try:
         assert s.backend is not None
         s.tick()
-        assert s._peers == [s.instance_id]
+        assert s.registry.peers == [s.instance_id]
         spy(s.backend, "claim", batches, lambda requests: len(requests))
         clock.now = slot + 0.1
         sent: list[tuple[str, int]] = []

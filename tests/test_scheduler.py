@@ -14,8 +14,9 @@ from celery import Celery
 from kombu import Connection
 
 from celery_anarchon.backends.base import State
+from celery_anarchon.beat.scheduler import Scheduler
 from celery_anarchon.exceptions import ConfigurationError
-from celery_anarchon.scheduler import Scheduler, task_id_for
+from celery_anarchon.message import task_id_for
 
 
 class Clock:
@@ -130,7 +131,7 @@ def test_a_slot_later_than_max_late_is_recorded_missed_not_sent(
     s = Scheduler(app, clock=clock)
     try:
         clock.now = t0 + 10.5  # slots t0-1 .. t0+8 are more than 2 s late
-        with caplog.at_level(logging.WARNING, logger="celery_anarchon.scheduler"):
+        with caplog.at_level(logging.WARNING, logger="celery_anarchon.beat"):
             s.tick()
         sent = sorted(h["anarchon_slot"] for h in sent_messages(app))
         assert sent == [int((t0 + i) * 1000) for i in (9, 10)]
@@ -195,7 +196,7 @@ def test_an_unreachable_backend_keeps_beat_alive_and_sends_nothing(
 ) -> None:
     app = make_app(tmp_path, every_second, anarchon_backend="redis://127.0.0.1:1/0")
     clock = Clock(t0 + 0.5)
-    with caplog.at_level(logging.WARNING, logger="celery_anarchon.scheduler"):
+    with caplog.at_level(logging.WARNING, logger="celery_anarchon.beat"):
         s = Scheduler(app, clock=clock)
         for step in range(1, 6):
             clock.now = t0 + step

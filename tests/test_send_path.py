@@ -26,8 +26,11 @@ from celery import Celery
 from kombu import Connection, Exchange, Queue
 
 from celery_anarchon.backends.base import State
-from celery_anarchon.scheduler import PUBLISH_ATTEMPTS, Scheduler
+from celery_anarchon.beat.agenda import CLAIM, Slot
+from celery_anarchon.beat.publisher import PUBLISH_ATTEMPTS
+from celery_anarchon.beat.scheduler import Scheduler
 
+from .beat.support import SEND_DELAY
 from .conftest import REDIS_URL, require_service
 from .faults.servers import Proxy
 
@@ -136,7 +139,7 @@ def test_sends_again_once_a_cut_broker_connection_is_back(
             sent: list[int] = []
             assert tick_until(s, lambda: sent.extend(queued_slots(broker_queue)) or sent, 15)
             proxy.cut()
-            with caplog.at_level(logging.ERROR, logger="celery_anarchon.scheduler"):
+            with caplog.at_level(logging.ERROR, logger="celery_anarchon.beat"):
                 assert tick_until(s, lambda: "sending failed" in caplog.text, 15)
             back_ms = int(time.time() * 1000)
             proxy.restore()
@@ -213,9 +216,9 @@ def test_a_broker_that_is_away_costs_a_tick_few_connection_attempts(
     now = float(int(time.time()))
     s = Scheduler(app, clock=Clock(now))
     try:
-        with caplog.at_level(logging.ERROR, logger="celery_anarchon.scheduler"):
+        with caplog.at_level(logging.ERROR, logger="celery_anarchon.beat"):
             for name in schedule:
-                s._push_event(int(now * 1000), 1, name, int(now * 1000))  # CLAIM now
+                s.agenda.push(int(now * 1000), Slot(s.jobs[name], int(now * 1000), CLAIM))
             s.tick()
         assert 1 <= refuser.count <= PUBLISH_ATTEMPTS
         assert caplog.text.count("sending failed") == len(schedule)
@@ -284,8 +287,8 @@ def test_the_claims_age_is_checked_again_right_before_the_publish(
     s = SlowConnect(app, clock=Clock(now))
     s.connect_s = connect_s
     try:
-        s._push_event(int(now * 1000), 1, "h", int(now * 1000))  # CLAIM now
-        with caplog.at_level(logging.WARNING, logger="celery_anarchon.scheduler"):
+        s.agenda.push(int(now * 1000), Slot(s.jobs["h"], int(now * 1000), CLAIM))
+        with caplog.at_level(logging.WARNING, logger="celery_anarchon.beat"):
             s.tick()
         with Connection("memory://") as conn:
             simple = conn.SimpleQueue(queue, no_ack=True)
@@ -392,9 +395,9 @@ def test_the_gap_is_settled_once_a_backend_down_at_start_up_answers(tmp_path: Pa
         s = Scheduler(app)  # the backend is down at start-up
         try:
             s.tick()
-            assert s._unsettled  # nothing could be settled yet
+            assert s.agenda.unsettled  # nothing could be settled yet
             server.start()
-            assert tick_until(s, lambda: not s._unsettled, 30)
+            assert tick_until(s, lambda: not s.agenda.unsettled, 30)
             tick_until(s, lambda: False, 1.5)  # the catch-up sends
             backend = s.backend
             assert backend is not None
@@ -475,11 +478,11 @@ def test_a_backup_takes_a_handed_over_slot_whose_lease_outlives_max_late() -> No
     try:
         a.tick()
         b.tick()  # both registered; b knows a
-        assert sorted(b._peers) == sorted([a.instance_id, b.instance_id])
+        assert sorted(b.registry.peers) == sorted([a.instance_id, b.instance_id])
         assert a.backend is not None and b.backend is not None
         request = a.jobs["h"].claim_request(slot_s * 1000, 10)
         [won] = a.backend.claim([request])
-        a._held[("h", slot_s * 1000)] = won  # a holds it, not yet sent (SIGTERM comes)
+        a.claimer.hold(Slot(a.jobs["h"], slot_s * 1000, CLAIM), won)  # not yet sent (SIGTERM comes)
         clock.now = slot_s
         b.tick()  # b tries the slot and loses it
         assert memory_sent(app) == []
@@ -505,7 +508,9 @@ def test_a_held_slot_too_late_to_hand_over_is_recorded_lost() -> None:
     try:
         request = s.jobs["h"].claim_request(slot_s * 1000, 10)
         [won] = s.backend.claim([request])
-        s._held[("h", slot_s * 1000)] = won  # 5 s left before max_late: too late
+        s.claimer.hold(
+            Slot(s.jobs["h"], slot_s * 1000, CLAIM), won
+        )  # 5 s left: too late
     finally:
         s.close()
     other = open_backend(app, "other")
@@ -572,12 +577,12 @@ def test_real_beats_hand_a_slot_over_on_sigterm_when_the_lease_outlives_max_late
 ) -> None:
     """Three real beats on Redis, ``lease_ttl`` 20 s beyond ``max_late``
     16 s. One beat takes 6 s from each won claim to its send
-    (``anarchon_test_send_delay``) and gets SIGTERM holding a slot the
+    (``tests.beat.support.SEND_DELAY``) and gets SIGTERM holding a slot the
     others tried and lost: another
     beat sends that slot once, and every due slot is published or on the
     record. Before, nobody planned a check of a slot whose lease outlives
     ``max_late``: the released slot was never sent and had no record."""
-    from celery_anarchon.scheduler import HEARTBEAT_INTERVAL
+    from celery_anarchon.beat.registry import HEARTBEAT_INTERVAL
 
     from .beats import instance_prefix
     from .faults.harness import MISS_STATES, FaultRun, wait_until
@@ -593,7 +598,7 @@ def test_real_beats_hand_a_slot_over_on_sigterm_when_the_lease_outlives_max_late
     with FaultRun("redis", tmp_path, conf=conf, schedules={job: "* * * * * */2"}) as run:
         run.start(2, worker=False)
         time.sleep(3.0)
-        victim = run.cluster.start(1, conf={"anarchon_test_send_delay": 6.0})[0]
+        victim = run.cluster.start(1, conf={SEND_DELAY: 6.0})[0]
         assert run.cluster.wait_ticking([victim]), run.cluster.logs()
         since_ms = int(time.time() + HEARTBEAT_INTERVAL + 1) * 1000  # all beats know each other
         held = run.wait_for_held(victim, job, since_ms=since_ms, timeout=30)
@@ -646,15 +651,15 @@ def test_close_called_in_the_middle_of_a_tick_waits_for_the_tick_to_unwind(
     backend = s.backend
     seen: list[tuple[bool, bool]] = []
 
-    def closing_tick() -> float:  # what the signal handler does mid-tick
+    def closing_pop_due(now_ms: int) -> list[Slot]:  # the signal handler comes mid-tick
         s.close()
-        seen.append((s._closed, backend is not None and s._backend_ready))
-        return 1.0
+        seen.append((s.closed, backend is not None and s.link.ready))
+        return []
 
-    s._tick = closing_tick  # type: ignore[method-assign]
+    s.agenda.pop_due = closing_pop_due  # type: ignore[method-assign]
     s.tick()
     assert seen == [(False, True)]  # asked only: nothing closed inside the tick
     with pytest.raises(SystemExit):
         s.tick()  # the next tick closes, then exits
-    assert s._closed and not s._backend_ready
+    assert s.closed and not s.link.ready
     s.close()  # and beat's own close() after that is harmless

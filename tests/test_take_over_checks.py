@@ -18,7 +18,8 @@ import pytest
 from celery import Celery
 
 from celery_anarchon.backends.base import Backend, ClaimRequest, InstanceInfo, RunRecord, State
-from celery_anarchon.scheduler import HEARTBEAT_INTERVAL, Scheduler, _weight
+from celery_anarchon.beat.registry import HEARTBEAT_INTERVAL, weight
+from celery_anarchon.beat.scheduler import Scheduler
 
 from .conftest import backend_options, backend_url, require_service
 from .test_lease_features import Clock, make_app, open_backend, sent_slots
@@ -67,8 +68,8 @@ def records(s: Scheduler, slot_ms: int) -> list[RunRecord]:
 def peers_above(s: Scheduler, slot_ms: int, count: int) -> list[str]:
     """``count`` instance ids that rank before ``s`` in the slot's rendezvous order."""
     key = f"\x00k\x00{slot_ms}".encode()
-    mine = _weight(s.instance_id, key)
-    found = [f"dead-{i}" for i in range(5000) if _weight(f"dead-{i}", key) > mine][:count]
+    mine = weight(s.instance_id, key)
+    found = [f"dead-{i}" for i in range(5000) if weight(f"dead-{i}", key) > mine][:count]
     assert len(found) == count
     return found
 
@@ -93,8 +94,8 @@ def test_a_third_ranked_backup_takes_over_when_both_before_it_died(url: str) -> 
         register(dead, first)
         register(dead, second)
         s.tick()  # heartbeat: three live instances, this one third for the slot
-        assert len(s._peers) == 3
-        assert s._rank("k", slot_ms) == 2
+        assert len(s.registry.peers) == 3
+        assert s.registry.rank("k", slot_ms) == 2
         claim_and_die(dead, slot_ms)
         clock.now = slot_ms / 1000
         s.tick()  # loses the race
@@ -126,7 +127,7 @@ def test_a_late_rank_checks_only_once_a_peer_died(url: str) -> None:
         for peer in above:
             register(dead, peer)
         s.tick()
-        assert s._rank("k", slot_ms) == 3
+        assert s.registry.rank("k", slot_ms) == 3
         claim_and_die(dead, slot_ms)
         clock.now = slot_ms / 1000
         s.tick()  # loses the race
@@ -138,7 +139,7 @@ def test_a_late_rank_checks_only_once_a_peer_died(url: str) -> None:
         assert sent_slots(app) == []
         assert records(s, slot_ms)[0].state is State.CLAIMED  # not checked
         dead.unregister(above[0])  # a peer died (or left)
-        s._next_heartbeat = 0
+        s.registry.next_heartbeat = 0
         s.tick()  # the heartbeat sees it gone: checks at once
         assert sent_slots(app) == [("k", slot_ms)]
         assert records(s, slot_ms)[0].token == 2

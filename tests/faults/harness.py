@@ -44,7 +44,7 @@ from ..conftest import MYSQL_URL, POSTGRES_URL, REDIS_URL
 from .app import SCHEDULES
 
 #: The error of a slot recorded lost because its publish failed in doubt
-#: (celery_anarchon.scheduler, ``Scheduler._on_publish_in_doubt``).
+#: (celery_anarchon.beat.publisher, ``Publisher._on_publish_in_doubt``).
 IN_DOUBT = "may have reached the broker"
 
 #: Backends the campaign knows, lease backends first.

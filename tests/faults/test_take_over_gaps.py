@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from celery_anarchon.scheduler import HEARTBEAT_INTERVAL, Scheduler
+from celery_anarchon.beat.registry import HEARTBEAT_INTERVAL
+from celery_anarchon.beat.scheduler import Scheduler
 
 from ..conftest import POSTGRES_URL, REDIS_URL, require_service
 from ..test_lease_features import Clock, make_app, sent_slots
@@ -47,11 +48,13 @@ def test_take_over_when_the_two_first_of_the_order_are_dead(backend: str, tmp_pa
         for s in schedulers:
             s.tick()  # registers
         for s in schedulers:
-            s._next_heartbeat = 0
+            s.registry.next_heartbeat = 0
             s.tick()  # reads every peer
-            s._plan_first_slots()
-        assert all(len(s._peers) == 4 for s in schedulers)
-        first, second, third, fourth = sorted(schedulers, key=lambda s: s._rank("j", slot * 1000))
+            s.agenda.plan_first_slots()
+        assert all(len(s.registry.peers) == 4 for s in schedulers)
+        first, second, third, fourth = sorted(
+            schedulers, key=lambda s: s.registry.rank("j", slot * 1000)
+        )
         request = first.jobs["j"].claim_request(slot * 1000, 10)
         assert first.backend is not None
         assert first.backend.claim([request])[0].won  # then it dies unsent; so does `second`
