@@ -3,9 +3,9 @@
 A *slot* is one job at one scheduled fire time, identified by the job name and
 the fire time in integer milliseconds since the Unix epoch (UTC). Every
 scheduler instance computes slots from the schedule alone, never from its own
-``last_run_at`` or start time, so every host and every restart agree (DESIGN
-section 2). This module is pure time arithmetic: no I/O, and it never reads a
-clock.
+``last_run_at`` or start time, so every host and every restart agree (see
+docs/how-it-works.md, "Slots"). This module is pure time arithmetic: no I/O,
+and it never reads a clock.
 
 Schedule kinds and their slots:
 

@@ -20,7 +20,7 @@ are untouched:
 
 * **Start gate.** Before the task body runs, ``mark(claim, RUNNING)`` on the
   claim backend, fenced by the message's token. False means the slot
-  already started (a second publish of one slot, see docs/how-it-works.md) or the
+  already started (a second publish of one slot, see docs/exactly-once.md) or the
   token was superseded by a backup runner: the delivery is discarded, the
   body does not run, a WARNING is logged, and history keeps the first run's
   state. The gate raises :class:`celery.exceptions.Ignore` from the task's

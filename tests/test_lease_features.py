@@ -104,7 +104,7 @@ def record_sent(backend: Backend, job: str, slot_ms: int) -> None:
 
 
 def catch_up_app(url: str, policy: str, restart_s: int, **conf: Any) -> Celery:
-    """DESIGN's scenario, shifted so that the restart (09:52:10) is now.
+    """The start-up scenario of docs/scheduling.md, shifted so that the restart (09:52:10) is now.
 
     ``ten`` fires every ten minutes with a slot at 09:50 (= restart - 130 s);
     ``one`` every minute with a slot at 09:52 (= restart - 10 s).

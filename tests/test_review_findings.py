@@ -39,7 +39,7 @@ def test_an_ambiguous_publish_failure_is_not_published_again(
 ) -> None:
     # The broker receives the message, then the connection drops before
     # the publish returns (a socket error after the write). Beat cannot know
-    # whether it arrived; DESIGN section 3: any doubt counts as lost, one
+    # whether it arrived; docs/exactly-once.md: any doubt counts as lost, one
     # publish per slot except when an instance dies or freezes.
     app = make_app(sqlite_url, 1, 10.0)
     slot = next_slot(10.0)

@@ -508,9 +508,7 @@ def test_a_held_slot_too_late_to_hand_over_is_recorded_lost() -> None:
     try:
         request = s.jobs["h"].claim_request(slot_s * 1000, 10)
         [won] = s.backend.claim([request])
-        s.claimer.hold(
-            Slot(s.jobs["h"], slot_s * 1000, CLAIM), won
-        )  # 5 s left: too late
+        s.claimer.hold(Slot(s.jobs["h"], slot_s * 1000, CLAIM), won)  # 5 s left: too late
     finally:
         s.close()
     other = open_backend(app, "other")

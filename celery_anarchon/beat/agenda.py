@@ -4,7 +4,7 @@ The :class:`Agenda` is one heap of events, each a :class:`Slot` due at an
 instant: a job's next slot, a claim after this instance's claim delay, a
 take-over check, a catch-up claim, the close of a send that failed. It plans
 each job's first slot at start-up and settles the catch-up gap, the slots
-that passed while no instance ran (docs/scheduling.md, "Catch-up").
+that passed while no instance ran (docs/scheduling.md, "Start-up").
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ class Agenda:
 
     def plan_first_slots(self) -> None:
         """Plan each job's first slot: the first after ``now - max_late``
-        (docs/how-it-works.md), and settle what happened while no instance
+        (docs/scheduling.md, "Start-up"), and settle what happened while no instance
         ran (:meth:`settle_gaps`): now, or once the backend answers when it
         is away at start-up."""
         now_ms = int(self._clock() * 1000)
@@ -238,7 +238,7 @@ class Agenda:
         """Slots after the backend's last record of ``job`` and before its
         first slot now were never acted on: every instance was down. Inside
         ``catch_up_window`` they are sent or recorded ``missed`` by the
-        job's catch-up policy (docs/scheduling.md, "Catch-up"):
+        job's catch-up policy (docs/scheduling.md, "Start-up"):
 
         * ``none``: each is recorded ``missed`` (the newest ``history_size``);
         * ``latest``: the newest is sent once, unless the first slot now is

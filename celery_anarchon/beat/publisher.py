@@ -3,7 +3,7 @@
 The :class:`Publisher` sends a batch's won claims in order, each through
 :func:`~celery_anarchon.message.send_slot` on beat's own producer, bounded in
 time (a broker that is away never blocks a tick for long) and never
-repeated once it may have reached the broker (docs/how-it-works.md: in
+repeated once it may have reached the broker (docs/exactly-once.md: in
 doubt, never send twice). A send that fails is left to a backup on a lease
 backend; one in doubt is recorded ``lost`` at once.
 
@@ -272,7 +272,7 @@ class Publisher:
     def _on_publish_in_doubt(self, slot: Slot, exc: Exception) -> None:
         """A publish failed after it may have reached Celery's broker: the
         slot may be queued already. Recorded ``lost`` at once (in doubt,
-        never send twice: docs/how-it-works.md), not left to a backup: a
+        never send twice: docs/exactly-once.md), not left to a backup: a
         take-over would publish it a second time. The record closes the
         claim, so no backup takes it over; only when the backend does not
         take the record may a backup take the slot over at lease end."""

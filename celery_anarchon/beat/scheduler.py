@@ -8,7 +8,7 @@ Each tick pops the due slots from the agenda (cost per due slot, not per
 job), records the ones later than ``max_late`` as missed, claims the rest in
 one batch on the shared backend, and sends only what this instance won,
 through Celery's own ``apply_async`` path. Any doubt counts as lost: an
-unclaimed slot is never sent (docs/how-it-works.md). The parts, and how a
+unclaimed slot is never sent (docs/exactly-once.md). The parts, and how a
 slot flows through them, are drawn in docs/architecture.md.
 """
 

@@ -5,7 +5,7 @@ until the owner's lease ends; then, if the owner never recorded a send, it
 takes the slot over (fenced) and sends it. The slot's rendezvous order
 staggers the backups' checks, so a healthy cluster spends at most
 :data:`TAKE_OVER_RANKS` checks per slot. Past ``max_late`` an unsent slot is
-recorded ``lost`` instead (docs/how-it-works.md).
+recorded ``lost`` instead (docs/how-it-works.md, "Backup take-over").
 """
 
 from __future__ import annotations
