@@ -20,11 +20,10 @@ from celery_anarchon.backends.base import RunRecord, State
 from celery_anarchon.beat.registry import HEARTBEAT_INTERVAL
 from celery_anarchon.beat.scheduler import Scheduler
 
-from .beat.support import SEND_DELAY
-from .beats import instance_prefix
-from .conftest import POSTGRES_URL, REDIS_URL, require_service
-from .faults.harness import FaultRun, wait_until
-from .test_lease_features import Clock, make_app, sent_slots
+from ..beats import instance_prefix
+from ..conftest import POSTGRES_URL, REDIS_URL, require_service
+from ..faults.harness import FaultRun, wait_until
+from .support import SEND_DELAY, Clock, make_app, sent_slots
 
 pytestmark = [pytest.mark.integration, pytest.mark.services]
 
