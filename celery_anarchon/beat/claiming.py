@@ -18,8 +18,10 @@ from ..backends.base import Claim
 from ..exceptions import BackendUnavailable
 from ..metrics import Metrics
 from ..settings import Settings
+from ..times import ms as _ms
 from .agenda import Agenda, Slot
 from .link import BackendLink
+from .registry import HAND_OVER_MARGIN
 
 __all__ = [
     "FIRST_SEND_COST",
@@ -156,6 +158,29 @@ class Claimer:
         retry_ms = self._link.retry_ms()
         for slot in batch:
             self._agenda.again(retry_ms, slot)
+
+    def hand_over(self, now_ms: int) -> tuple[list[Claim], list[tuple[Claim, str]]]:
+        """On shutdown, give up every held claim: ``(to release, to record
+        lost with why)``; none is held afterwards.
+
+        A held claim (won, not yet published) whose slot another instance
+        can still take within ``max_late`` (at least :data:`HAND_OVER_MARGIN`
+        seconds left: the others see this instance leave the registry at
+        their next heartbeat) is released, so one takes it at once instead
+        of after the lease; a later one is recorded ``lost`` with the
+        reason, since nobody could send it any more and a released slot has
+        no record."""
+        margin_ms = _ms(HAND_OVER_MARGIN)
+        release: list[Claim] = []
+        lost: list[tuple[Claim, str]] = []
+        for slot in self.held.values():
+            assert slot.claim is not None
+            if now_ms + margin_ms <= slot.job.deadline_ms(slot.slot_ms):
+                release.append(slot.claim)
+            else:
+                lost.append((slot.claim, "shut down before sending; too late to hand over"))
+        self.held = {}
+        return release, lost
 
     def give_back(self, rest: Sequence[Slot]) -> None:
         """Release claims a batch could not send in time (fenced: see

@@ -29,6 +29,7 @@ from .agenda import SEND_FAILED, Agenda, Slot
 from .claiming import Claimer
 from .journal import Journal
 from .link import BackendLink
+from .registry import HAND_OVER_MARGIN
 
 __all__ = [
     "GIVE_BACK_SHARE",
@@ -308,6 +309,31 @@ class Publisher:
                 slot.job.name,
                 _iso(slot.slot_ms),
             )
+
+    def hand_over(self, now_ms: int) -> list[tuple[Claim, str]]:
+        """On shutdown, the failed sends to record ``lost`` now, with why;
+        none is kept afterwards.
+
+        A claim whose send failed stays with its lease while a backup can
+        still take it over: its lease ends before ``max_late``, or it has
+        ended already with at least :data:`HAND_OVER_MARGIN` seconds left
+        before ``max_late`` (the backups' checks are due); otherwise it is
+        recorded ``lost`` now (this instance will not be there to do it when
+        ``max_late`` ends)."""
+        lost: list[tuple[Claim, str]] = []
+        for slot in self.failed.values():
+            assert slot.claim is not None
+            last_ms = slot.job.deadline_ms(slot.slot_ms)
+            if slot.lease_end_ms > last_ms:
+                backup_can_take = False  # the lease outlives max_late
+            elif now_ms < slot.lease_end_ms:
+                backup_can_take = True  # a backup checks at the lease's end
+            else:  # the lease ended: a backup's check is due now, or at its next heartbeat
+                backup_can_take = now_ms + _ms(HAND_OVER_MARGIN) <= last_ms
+            if not backup_can_take:
+                lost.append((slot.claim, f"{slot.error}; shut down, no backup took it over"))
+        self.failed = {}
+        return lost
 
     def _publish(self, slot: Slot, claimed_at: float) -> None:
         """Publish a won slot, bounded in time so a tick is never blocked

@@ -30,6 +30,7 @@ from ..times import seconds
 from .link import BackendLink
 
 __all__ = [
+    "HAND_OVER_MARGIN",
     "HEARTBEAT_INTERVAL",
     "PEER_STALE",
     "REGISTRY_TTL",
@@ -50,6 +51,12 @@ REGISTRY_TTL = 30.0
 #: registry counts as dead (for rendezvous ranks and take-over checks) before
 #: the registry drops it, seconds.
 PEER_STALE = 2 * HEARTBEAT_INTERVAL
+
+#: Least time left before ``max_late`` for a claim released on shutdown,
+#: seconds: the other instances see this one leave the registry at their
+#: next heartbeat (one period), then take the slot in a tick (another
+#: period's margin for a loaded machine).
+HAND_OVER_MARGIN = 2 * HEARTBEAT_INTERVAL
 
 #: Most time a heartbeat gives the backend's deferred upkeep, seconds.
 HOUSEKEEPING_BUDGET = 0.5

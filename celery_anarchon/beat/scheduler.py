@@ -25,14 +25,13 @@ from typing import Any
 from celery import beat
 
 from ..backends import backend_from_url, scheme_of
-from ..backends.base import Backend, Claim, InstanceInfo, State
+from ..backends.base import Backend, InstanceInfo, State
 from ..checks import check_backend_supports, run_check
 from ..exceptions import ConfigurationError
 from ..metrics import Metrics, metrics_from_app
 from ..model import Entry, Job, app_zone, build_jobs
 from ..settings import Settings, started_by_beat
 from ..times import iso as _iso
-from ..times import ms as _ms
 from .agenda import CATCH_UP, CLAIM, DUE, SEND_FAILED, TAKE_OVER, Agenda, Slot
 from .claiming import Claimer
 from .journal import MARK_DELAY, Journal
@@ -48,15 +47,9 @@ from .registry import (
 )
 from .takeover import TakeOver
 
-__all__ = ["HAND_OVER_MARGIN", "TICK_BUDGET", "Scheduler"]
+__all__ = ["TICK_BUDGET", "Scheduler"]
 
 logger = logging.getLogger(__name__)
-
-#: Least time left before ``max_late`` for a claim released on shutdown,
-#: seconds: the other instances see this one leave the registry at their
-#: next heartbeat (one period), then take the slot in a tick (another
-#: period's margin for a loaded machine).
-HAND_OVER_MARGIN = 2 * HEARTBEAT_INTERVAL
 
 #: kombu transports that ignore ``connect_timeout`` (their own socket
 #: timeouts are set instead, see :attr:`Scheduler.connection`).
@@ -500,42 +493,14 @@ class Scheduler(beat.Scheduler):
         """On graceful shutdown, give up the claims this instance won and
         has not sent, each either to another instance or to the record.
 
-        A held claim (won, not yet published) whose slot another instance
-        can still take within ``max_late`` (at least :data:`HAND_OVER_MARGIN`
-        seconds left: the others see this instance leave the registry at
-        their next heartbeat) is released, so one takes it at once instead
-        of after the lease; a later one is recorded ``lost`` with the
-        reason, since nobody could send it any more and a released slot has
-        no record. A claim whose send failed stays with its lease while a
-        backup can still take it over: its lease ends before ``max_late``,
-        or it has ended already with at least :data:`HAND_OVER_MARGIN`
-        seconds left before ``max_late`` (the backups' checks are due);
-        otherwise it is recorded ``lost`` now (this instance will not be
-        there to do it when ``max_late`` ends). Records are fenced by token:
-        a slot taken over meanwhile keeps the new owner's record."""
+        Held claims are released or recorded ``lost``
+        (:meth:`Claimer.hand_over`); failed sends stay with their lease
+        while a backup can still take them over, else are recorded ``lost``
+        (:meth:`Publisher.hand_over`). Records are fenced by token: a slot
+        taken over meanwhile keeps the new owner's record."""
         now_ms = self._now_ms()
-        margin_ms = _ms(HAND_OVER_MARGIN)
-        release: list[Claim] = []
-        lost: list[tuple[Claim, str]] = []
-        for slot in self.claimer.held.values():
-            assert slot.claim is not None
-            if now_ms + margin_ms <= slot.job.deadline_ms(slot.slot_ms):
-                release.append(slot.claim)
-            else:
-                lost.append((slot.claim, "shut down before sending; too late to hand over"))
-        self.claimer.held = {}
-        for slot in self.publisher.failed.values():
-            assert slot.claim is not None
-            last_ms = slot.job.deadline_ms(slot.slot_ms)
-            if slot.lease_end_ms > last_ms:
-                backup_can_take = False  # the lease outlives max_late
-            elif now_ms < slot.lease_end_ms:
-                backup_can_take = True  # a backup checks at the lease's end
-            else:  # the lease ended: a backup's check is due now, or at its next heartbeat
-                backup_can_take = now_ms + margin_ms <= last_ms
-            if not backup_can_take:
-                lost.append((slot.claim, f"{slot.error}; shut down, no backup took it over"))
-        self.publisher.failed = {}
+        release, lost = self.claimer.hand_over(now_ms)
+        lost += self.publisher.hand_over(now_ms)
         if release:
             try:
                 backend.release(release)
