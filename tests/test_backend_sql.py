@@ -291,9 +291,11 @@ def test_claim_window_is_judged_by_the_database_clock(
     make: Make, kind: str, job: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     backend = make()
-    real_now = sql._process_now_ms()
+    real_now = sql.dialects._process_now_ms()
     # This process's clock now runs an hour fast.
-    monkeypatch.setattr(sql, "_process_now_ms", lambda: time.time_ns() // 1_000_000 + HOUR_MS)
+    monkeypatch.setattr(
+        sql.dialects, "_process_now_ms", lambda: time.time_ns() // 1_000_000 + HOUR_MS
+    )
     answer = backend.claim([request_for(job, real_now)])[0]
     if kind == "sqlite":  # no server: SQLite's clock is this process's
         assert (answer.won, answer.reason) == (False, "window")
@@ -388,11 +390,11 @@ def test_a_trim_waits_for_housekeeping_a_bounded_time(
     # A wait far longer than the three claims below take on a loaded machine
     # (a 0.2 s one was not), run out by moving the backend's monotonic clock.
     wait_s = 10.0
-    monkeypatch.setattr(sql, "MAX_TRIM_WAIT_S", wait_s)
+    monkeypatch.setattr(sql.history, "MAX_TRIM_WAIT_S", wait_s)
     skipped = [0.0]
     clock = SimpleNamespace(**vars(time))  # the time module, but for monotonic()
     clock.monotonic = lambda: time.monotonic() + skipped[0]
-    monkeypatch.setattr(sql, "time", clock)
+    monkeypatch.setattr(sql.history, "time", clock)
     now = backend.now_ms()
     slots = [now - 50_000 + i * 1000 for i in range(4)]
     for slot in slots[:3]:
@@ -488,8 +490,8 @@ def test_job_names_are_compared_exactly(make: Make) -> None:
 def test_manual_run_skips_whole_seconds_and_taken_slots(
     make: Make, kind: str, job: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    second = (sql._process_now_ms() // 1000) * 1000
-    monkeypatch.setattr(sql, "_process_now_ms", lambda: second)
+    second = (sql.dialects._process_now_ms() // 1000) * 1000
+    monkeypatch.setattr(sql.dialects, "_process_now_ms", lambda: second)
     backend = make()
     assert backend.claim([request_for(job, second + 1)])[0].won
     first = backend.claim_manual(job, "k1", second + 60_000)
