@@ -96,8 +96,8 @@ def stub_backend_class() -> type[Any]:
         def mark(self, claim: Any, state: Any, **_: Any) -> bool:
             return True
 
-        def record_if_absent(self, job: str, slot_ms: int, state: Any, **_: Any) -> bool:
-            return True
+        def record_many_if_absent(self, records: Sequence[Any]) -> list[bool]:
+            return [True] * len(records)
 
         def history(self, job: str, limit: int | None = None) -> list[Any]:
             return []

@@ -280,7 +280,7 @@ def test_mark_refuses_states_it_does_not_write(make: Make, job: str) -> None:
     backend = make()
     claim = backend.claim([request_for(job, backend.now_ms())])[0]
     assert not backend.mark(claim, State.CLAIMED)  # never a move forward
-    with pytest.raises(ValueError, match="record_if_absent"):
+    with pytest.raises(ValueError, match="record_many_if_absent"):
         backend.mark(claim, State.MISSED)
 
 
@@ -429,25 +429,25 @@ def test_take_over_an_expired_lease_fences_the_old_owner(make: Make, job: str) -
     req = request_for(job, a.now_ms() - 1_000, lease_ms=0)
     old = a.claim([req])[0]
     time.sleep(0.005)  # let the zero-length lease run out on the database clock
-    new = b.take_over(request_for(job, req.slot_ms))  # with a 30 s lease
+    new = b.take_over_many([request_for(job, req.slot_ms)])[0]  # with a 30 s lease
     assert (new.won, new.token) == (True, 2)
-    assert not c.take_over(req).won  # b's lease runs
+    assert not c.take_over_many([req])[0].won  # b's lease runs
     assert not a.mark(old, State.SENT, task_id="stale")
     assert b.mark(new, State.SENT, task_id="fresh")
     history = [(r.state, r.instance, r.token) for r in a.history(job)]
     assert history == [(State.SENT, "host-b", 2), (State.SUPERSEDED, "host-a", 1)]
-    assert not c.take_over(req).won  # sent: nothing to take over
+    assert not c.take_over_many([req])[0].won  # sent: nothing to take over
 
 
 def test_take_over_refuses_a_running_lease_and_a_sent_run(make: Make, job: str) -> None:
     a, b = make("host-a"), make("host-b")
     req = request_for(job, a.now_ms())
     claim = a.claim([req])[0]
-    assert (b.take_over(req).won, b.take_over(req).reason) == (False, "held")
+    assert (b.take_over_many([req])[0].won, b.take_over_many([req])[0].reason) == (False, "held")
     a.mark(claim, State.SENT, task_id="t")
     expired = request_for(job, req.slot_ms, lease_ms=0)
-    assert not b.take_over(expired).won
-    outside = b.take_over(request_for(job, req.slot_ms - 10 * 60_000))
+    assert not b.take_over_many([expired])[0].won
+    outside = b.take_over_many([request_for(job, req.slot_ms - 10 * 60_000)])[0]
     assert outside.reason == "window"
 
 
@@ -456,9 +456,9 @@ def test_release_after_a_takeover_hands_the_slot_on(make: Make, job: str) -> Non
     req = request_for(job, a.now_ms() - 1_000, lease_ms=0)
     a.claim([req])
     time.sleep(0.005)
-    second = b.take_over(request_for(job, req.slot_ms))  # 30 s lease
+    second = b.take_over_many([request_for(job, req.slot_ms)])[0]  # 30 s lease
     b.release([second])
-    third = c.take_over(request_for(job, req.slot_ms))
+    third = c.take_over_many([request_for(job, req.slot_ms)])[0]
     assert (third.won, third.token) == (True, 3)
 
 

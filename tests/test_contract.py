@@ -169,8 +169,12 @@ def test_missed_slot_is_recorded_once_and_closes_the_slot(
 ) -> None:
     a, b = make_backend("host-a"), make_backend("host-b")
     slot = a.now_ms() - 1_000
-    assert a.record_if_absent(job, slot, State.MISSED, keep_until_ms=slot + 120_000)
-    assert not b.record_if_absent(job, slot, State.MISSED, keep_until_ms=slot + 120_000)
+    assert a.record_many_if_absent(
+        [AbsentRecord(job, slot, State.MISSED, keep_until_ms=slot + 120_000)]
+    )[0]
+    assert not b.record_many_if_absent(
+        [AbsentRecord(job, slot, State.MISSED, keep_until_ms=slot + 120_000)]
+    )[0]
     assert not b.claim([request_for(b, job, slot)])[0].won
     assert [r.state for r in a.history(job)] == [State.MISSED]
 
@@ -178,7 +182,9 @@ def test_missed_slot_is_recorded_once_and_closes_the_slot(
 def test_a_claimed_slot_is_not_recorded_missed(make_backend: BackendFactory, job: str) -> None:
     a, b = make_backend("host-a"), make_backend("host-b")
     claim = a.claim([request_for(a, job)])[0]
-    assert not b.record_if_absent(job, claim.slot_ms, State.MISSED, keep_until_ms=0)
+    assert not b.record_many_if_absent(
+        [AbsentRecord(job, claim.slot_ms, State.MISSED, keep_until_ms=0)]
+    )[0]
     assert [r.state for r in a.history(job)] == [State.CLAIMED]
 
 
@@ -229,7 +235,7 @@ def test_take_over_claims_a_released_slot(make_backend: BackendFactory, job: str
     claim = a.claim([req])[0]
     assert not b.claim([req])[0].won
     a.release([claim])  # hand-over on shutdown
-    taken = b.take_over(req)
+    taken = b.take_over_many([req])[0]
     assert taken.won and isinstance(taken.token, int)
     # (A released claim is never used again by its holder, which is shutting
     # down; SQL may hand the same token 1 out again, Redis the next one.)
@@ -242,7 +248,7 @@ def test_take_over_leaves_a_live_lease_alone(make_backend: BackendFactory, job: 
     lease_only(a)
     req = request_for(a, job)
     assert a.claim([req])[0].won
-    assert not b.take_over(req).won
+    assert not b.take_over_many([req])[0].won
 
 
 def test_release_leaves_a_sent_slot_alone(make_backend: BackendFactory, job: str) -> None:
@@ -517,10 +523,12 @@ def test_take_over_answers_held_while_a_backups_lease_runs(
     # The backup's lease must outlast the two checks below: on a loaded
     # machine they took up to 0.17 s (of a 300 ms lease, before). Then it is
     # waited out by the backend's clock.
-    backup = b.take_over(request_for(b, job, slot, lease_ms=2000))
+    backup = b.take_over_many([request_for(b, job, slot, lease_ms=2000)])[0]
     lease_ends_ms = b.now_ms() + 2000  # at the latest
     assert backup.won and backup.token == 2
-    assert [(x.won, x.reason) for x in (c.take_over(short), *c.take_over_many([short]))] == [
+    assert [
+        (x.won, x.reason) for x in (c.take_over_many([short])[0], *c.take_over_many([short]))
+    ] == [
         (False, "held"),
         (False, "held"),
     ]

@@ -163,7 +163,7 @@ def test_a_backup_killed_after_its_take_over_is_taken_over_again(url: str) -> No
         s.tick()  # loses the race
         time.sleep(1.2)  # the owner's lease ends
         request = ClaimRequest("k", slot_ms, 10**9, 10**9, slot_ms + 10**7, 5000)
-        backup = other.take_over(request)
+        backup = other.take_over_many([request])[0]
         assert backup.won and backup.token == 2  # then it died
         clock.now = slot_ms / 1000 + 2
         s.tick()  # its check finds token 2's lease running
@@ -208,7 +208,7 @@ def test_a_claim_whose_lease_ended_unsent_is_recorded_lost_after_max_late(url: s
         assert [(r.state, r.token) for r in older] == [(State.SUPERSEDED, 1)]
         late = ClaimRequest("k", slot_ms, 10**9, 10**9, slot_ms + 10**7, 1000)
         assert not dead.claim([late])[0].won
-        assert not dead.take_over(late).won
+        assert not dead.take_over_many([late])[0].won
     finally:
         s.close()
         dead.close()

@@ -9,14 +9,13 @@ contract is small and each call is atomic on the backend:
   ``running``, ``succeeded``, ``failed``, ``lost``), checked against the
   claim's fencing token;
 * :meth:`Backend.extend` -- heartbeat a running run's lease (worker);
-* :meth:`Backend.record_if_absent` -- write ``missed`` or ``skipped`` for a
-  slot nobody acted on;
+* :meth:`Backend.record_many_if_absent` -- write ``missed`` or ``skipped``
+  for slots nobody acted on;
 * :meth:`Backend.release` -- give back claimed, unsent slots (hand-over);
 * :meth:`Backend.mark_many`, :meth:`Backend.take_over_many`,
-  :meth:`Backend.holding`, :meth:`Backend.record_many_if_absent` -- the
-  scheduler's batched calls: record ``sent`` for many claims, check many
-  expired leases, read whether claims are still held, record many missed
-  slots (defaults built on the single calls);
+  :meth:`Backend.holding` -- the scheduler's batched calls: record ``sent``
+  for many claims, take over many expired leases, read whether claims are
+  still held;
 * :meth:`Backend.history`, :meth:`Backend.last_run` -- read per-job history;
 * :meth:`Backend.claim_manual` -- the claim behind ``run_now``.
 
@@ -115,8 +114,7 @@ class ClaimRequest:
 @dataclass(frozen=True)
 class AbsentRecord:
     """One ``missed`` or ``skipped`` record to write where the slot has none
-    (:meth:`Backend.record_many_if_absent`); the fields are the arguments of
-    :meth:`Backend.record_if_absent`.
+    (:meth:`Backend.record_many_if_absent`).
 
     Attributes:
         job: the job's name.
@@ -150,7 +148,7 @@ class Claim:
             takeover of the same slot; a string on claim-only backends);
             None when lost.
         reason: why the claim was lost: ``"taken"`` (another instance holds
-            or held it), ``"held"`` (:meth:`Backend.take_over` only: the
+            or held it), ``"held"`` (:meth:`Backend.take_over_many` only: the
             slot is still ``claimed`` and its lease has not ended),
             ``"window"`` (outside the claim window), ``"unknown"`` (no
             answer: the outcome cannot be known), or ``""``.
@@ -370,50 +368,6 @@ class Backend(abc.ABC):
         """
         return not restart
 
-    @abc.abstractmethod
-    def record_if_absent(
-        self,
-        job: str,
-        slot_ms: int,
-        state: State,
-        *,
-        error: str | None = None,
-        history_size: int = 100,
-        history_ttl_ms: int = 7 * 24 * 3600 * 1000,
-        keep_until_ms: int = 0,
-    ) -> bool:
-        """Record ``state`` (``missed`` or ``skipped``) for a slot that has no
-        record yet. The record also closes the slot: it can no longer be
-        claimed.
-
-        Returns:
-            True when written; False when the slot already had a record
-            (another instance claimed it, so it was not missed).
-        Raises:
-            BackendUnavailable: no answer.
-        """
-
-    def take_over(self, request: ClaimRequest) -> Claim:
-        """Take a slot over from an owner whose lease ended (backup runner).
-
-        Atomic on the backend: only a scheduled run still ``claimed`` whose
-        ``lease_until_ms`` is before the backend's now is taken; its record
-        becomes ``superseded`` and this instance holds the slot with the next
-        fencing token. Inside the claim window only. A slot with no record is
-        claimed as by :meth:`claim`. Claim-only backends never take over.
-
-        Returns:
-            won with the new token, or lost: ``"held"`` when the slot is
-            still ``claimed`` with its lease running (its holder, maybe
-            another backup that took it over first, may still send it; the
-            scheduler checks again when that lease ends), ``"taken"`` when
-            it was sent (or moved further, or is a manual run),
-            ``"window"`` outside the claim window.
-        Raises:
-            BackendUnavailable: no answer.
-        """
-        return Claim(request.job, request.slot_ms, won=False, reason="taken")
-
     def mark_many(
         self,
         claims: Sequence[Claim],
@@ -449,50 +403,49 @@ class Backend(abc.ABC):
             for claim, task_id in zip(claims, ids, strict=True)
         ]
 
+    @abc.abstractmethod
     def record_many_if_absent(self, records: Sequence[AbsentRecord]) -> list[bool]:
-        """:meth:`record_if_absent` for many slots at once (the misses of one
-        scheduler round, or of one job's gap), with the same rules.
-
-        The default calls :meth:`record_if_absent` for each record; backends
-        override it with one round trip (a pipeline, a transaction, one
-        batch of gate claims).
+        """Record ``missed`` or ``skipped`` for each slot of ``records`` that
+        has no record yet (the misses of one scheduler round, or of one
+        job's gap), in one round trip (a pipeline, a transaction, one batch
+        of gate claims). A record also closes its slot: it can no longer be
+        claimed.
 
         Returns:
             one answer per record, in order: True when written, False when
-            the slot already had a record.
+            the slot already had a record (another instance claimed it, so
+            it was not missed).
         Raises:
             BackendUnavailable: no answer, or not every record was answered;
                 some may have been written then, and the caller may send the
                 whole call again (a written slot then answers False).
         """
-        return [
-            self.record_if_absent(
-                r.job,
-                r.slot_ms,
-                r.state,
-                error=r.error,
-                history_size=r.history_size,
-                history_ttl_ms=r.history_ttl_ms,
-                keep_until_ms=r.keep_until_ms,
-            )
-            for r in records
-        ]
 
     def take_over_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
-        """:meth:`take_over` for many slots at once (the backup runner's
-        checks due in one tick), with the same rules and answers. Slots
-        already sent are answered lost (``"taken"``) from one batched read.
+        """Take slots over from owners whose lease ended (the backup
+        runner's checks due in one tick), in one round trip.
 
-        The default calls :meth:`take_over` for each request.
+        Atomic on the backend, per slot: only a scheduled run still
+        ``claimed`` whose ``lease_until_ms`` is before the backend's now is
+        taken; its record becomes ``superseded`` and this instance holds the
+        slot with the next fencing token. Inside the claim window only. A
+        slot with no record is claimed as by :meth:`claim`. Claim-only
+        backends never take over (the default answers every request lost,
+        ``"taken"``).
 
         Returns:
-            one :class:`Claim` per request, in request order; ``"unknown"``
-            for a request the backend answered with an error while it
-            answered others.
+            one :class:`Claim` per request, in request order: won with the
+            new token, or lost: ``"held"`` when the slot is still
+            ``claimed`` with its lease running (its holder, maybe another
+            backup that took it over first, may still send it; the scheduler
+            checks again when that lease ends), ``"taken"`` when it was sent
+            (or moved further, or is a manual run), ``"window"`` outside the
+            claim window, ``"unknown"`` for a request the backend answered
+            with an error while it answered others.
         Raises:
             BackendUnavailable: no answer.
         """
-        return [self.take_over(request) for request in requests]
+        return [Claim(r.job, r.slot_ms, won=False, reason="taken") for r in requests]
 
     def holding(self, claims: Sequence[Claim], margin_ms: int = 0) -> list[bool]:
         """Whether each won claim is still held, in one batched read: the

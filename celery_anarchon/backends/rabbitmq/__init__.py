@@ -92,7 +92,7 @@ durable), trimmed by size only: ``x-max-length-bytes`` and a segment size
 derived from ``history_size`` (:func:`history_arguments`). Records (JSON, one
 message each) are appended as a run moves on: ``claimed`` on a win, then
 whatever :meth:`~RabbitMQBackend.mark` is told, ``missed``/``skipped`` from
-:meth:`~RabbitMQBackend.record_if_absent`, ``lost`` when a confirm was lost.
+:meth:`~RabbitMQBackend.record_many_if_absent`, ``lost`` when a confirm was lost.
 :meth:`~RabbitMQBackend.history` reads the whole stream without consuming it
 and folds the records per run (:func:`fold_history`). A run whose runner
 crashed keeps its last state (``running``): nothing can know it stopped.

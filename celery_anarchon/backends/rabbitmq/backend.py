@@ -386,41 +386,18 @@ class RabbitMQBackend(RabbitMQHistory):
             manual_key=attempt.extra.get("manual_key"),
         )
 
-    def record_if_absent(
-        self,
-        job: str,
-        slot_ms: int,
-        state: State,
-        *,
-        error: str | None = None,
-        history_size: int = 100,
-        history_ttl_ms: int = 7 * 24 * 3600 * 1000,
-        keep_until_ms: int = 0,
-    ) -> bool:
-        """Record ``state`` (``missed`` or ``skipped``) for a slot nobody
-        claimed, and close the slot.
-
-        The slot's gate is claimed like any run: if this instance's publish
-        fills it, nobody had claimed the slot, so the record is appended and
-        no one can claim it any more. ``history_ttl_ms`` and
-        ``keep_until_ms`` are ignored (trimming is by size; gates live
-        ``slot_ttl``).
-
-        Returns:
-            True when the gate was free and the record was appended; False
-            when the slot was taken, or when the outcome is unknown (logged).
-        Raises:
-            BackendUnavailable: no connection; nothing was published.
-        """
-        record = AbsentRecord(job, slot_ms, State(state), error, history_size)
-        return self.record_many_if_absent([record])[0]
-
     def record_many_if_absent(self, records: Sequence[AbsentRecord]) -> list[bool]:
-        """:meth:`record_if_absent` for many slots: their gates claimed as one
-        batch (as :meth:`claim` does), the records appended per state.
+        """Record ``missed`` or ``skipped`` for slots nobody claimed, and close
+        them: their gates claimed as one batch (as :meth:`claim` does), the
+        records appended per state. If this instance's publish fills a gate,
+        nobody had claimed the slot, so the record is appended and no one can
+        claim it any more. ``history_ttl_ms`` and ``keep_until_ms`` are
+        ignored (trimming is by size; gates live ``slot_ttl``).
 
         Returns:
-            one answer per record, in order (see :meth:`record_if_absent`).
+            one answer per record, in order: True when the gate was free and
+            the record was appended; False when the slot was taken, or when
+            the outcome is unknown (logged).
         Raises:
             BackendUnavailable: no connection; nothing was published.
         """

@@ -206,23 +206,6 @@ class RedisBackend(RedisRegistry):
                 )
         return [_claim_answer(r, reply) for r, reply in zip(requests, replies, strict=True)]
 
-    def take_over(self, request: ClaimRequest) -> Claim:
-        """Take over a slot whose winner's lease ran out, with
-        :data:`LUA_TAKE_OVER_SCRIPT` (backup runner).
-
-        Returns:
-            a won :class:`Claim` with token ``old + 1`` when the slot's
-            record is ``claimed`` (never marked sent) and its lease expired
-            by the server's clock; the old record becomes ``superseded``.
-            Otherwise lost with ``"held"`` (still ``claimed``, its lease
-            still running), ``"taken"`` (already sent, or a manual run) or
-            ``"window"``.
-        Raises:
-            BackendUnavailable: no answer.
-        """
-        reply = self._call(self._slot_call(TAKE_OVER, request))
-        return _claim_answer(request, reply)
-
     def mark(
         self,
         claim: Claim,
@@ -302,13 +285,18 @@ class RedisBackend(RedisRegistry):
         return (MARK, [self._runs_key(claim.job)], args)
 
     def take_over_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
-        """:meth:`take_over` for many slots: one pipeline of
-        :data:`LUA_TAKE_OVER_SCRIPT` calls (a slot already sent answers 0
-        after one ``HGET``).
+        """Take over slots whose winner's lease ran out (backup runner): one
+        pipeline of :data:`LUA_TAKE_OVER_SCRIPT` calls (a slot already sent
+        answers 0 after one ``HGET``).
 
         Returns:
-            one :class:`Claim` per request, in order; ``"unknown"`` for a
-            script Redis answered with an error while answering others.
+            one :class:`Claim` per request, in order: won with token ``old +
+            1`` when the slot's record is ``claimed`` (never marked sent) and
+            its lease expired by the server's clock (the old record becomes
+            ``superseded``); otherwise lost with ``"held"`` (still
+            ``claimed``, its lease still running), ``"taken"`` (already sent,
+            or a manual run) or ``"window"``; ``"unknown"`` for a script
+            Redis answered with an error while answering others.
         Raises:
             BackendUnavailable: no answer, or every script failed.
         """
@@ -358,35 +346,11 @@ class RedisBackend(RedisRegistry):
         args = [claim.slot_ms, str(claim.token), int(lease_ms), "1" if restart else ""]
         return bool(self._call((EXTEND, [self._runs_key(claim.job)], args)))
 
-    def record_if_absent(
-        self,
-        job: str,
-        slot_ms: int,
-        state: State,
-        *,
-        error: str | None = None,
-        history_size: int = 100,
-        history_ttl_ms: int = DEFAULT_HISTORY_TTL_MS,
-        keep_until_ms: int = 0,
-    ) -> bool:
-        """Record ``missed`` or ``skipped`` with :data:`LUA_RECORD_SCRIPT`
-        for a slot that has neither a claim nor a record; the claim key is
-        then set to 0 until ``keep_until_ms`` (when that is ahead), which
-        closes the slot.
-
-        Returns:
-            True when written; False when the slot already had one.
-        Raises:
-            BackendUnavailable: no answer.
-        """
-        record = AbsentRecord(
-            job, slot_ms, State(state), error, history_size, history_ttl_ms, keep_until_ms
-        )
-        return bool(self._call(self._record_call(record)))
-
     def record_many_if_absent(self, records: Sequence[AbsentRecord]) -> list[bool]:
-        """:meth:`record_if_absent` for many slots: one pipeline of
-        :data:`LUA_RECORD_SCRIPT` calls.
+        """Record ``missed`` or ``skipped`` for slots that have neither a
+        claim nor a record: one pipeline of :data:`LUA_RECORD_SCRIPT` calls;
+        each sets the claim key to 0 until ``keep_until_ms`` (when that is
+        ahead), which closes the slot.
 
         Returns:
             one answer per record, in order.

@@ -24,10 +24,6 @@ __all__ = ["SQLBackend"]
 logger = logging.getLogger(__name__)
 
 
-#: Default history bounds for writes that carry none (``claim_manual``).
-DEFAULT_HISTORY_SIZE = 100
-
-
 #: Most candidate milliseconds a manual run tries before giving up.
 MANUAL_SLOT_TRIES = 100
 
@@ -100,7 +96,7 @@ class SQLBackend(SQLRegistry):
       WHERE job, slot_ms, token = :token AND state IN (<states it may move
       from>)``, so a superseded record never changes and ``running`` is
       entered once (the worker's start gate).
-    * **Takeover** (:meth:`take_over`): in one transaction, ``UPDATE .. SET
+    * **Takeover** (:meth:`take_over_many`): in one transaction, ``UPDATE .. SET
       state = 'superseded' WHERE token = :old AND state = 'claimed' AND
       lease_until_ms < now`` and, when that changed one row, insert token
       ``old + 1``.
@@ -274,33 +270,6 @@ class SQLBackend(SQLRegistry):
             "claimed_at_ms": now,
         }
 
-    def take_over(self, request: ClaimRequest) -> Claim:
-        """Take over a slot whose winner's lease ran out (backup runner).
-
-        One transaction: read the slot's current record (``FOR UPDATE``);
-        when it is a scheduled run still ``claimed`` with ``lease_until_ms``
-        before the database's now, ``UPDATE`` it to ``superseded`` fenced by
-        its token, state and lease, and insert token ``old + 1`` owned by this
-        instance (``keep_until_ms`` the later of the two). A slot with no
-        record is claimed as by :meth:`claim`.
-
-        Returns:
-            won with token ``old + 1`` (or 1); lost with ``"window"`` outside
-            the claim window, ``"held"`` when the record is still
-            ``claimed`` with its lease running (its holder, maybe a backup
-            that took it over first, may still send it), ``"taken"``
-            otherwise (sent, or a manual run).
-        Raises:
-            BackendUnavailable: no answer.
-        """
-        with self._write("take over") as conn:
-            answer = self._take_over(conn, request)
-        if answer.won:
-            self._after_writes(
-                [(key_of(request.job), request.history_size, request.history_ttl_ms)]
-            )
-        return answer
-
     def _take_over(self, conn: Connection, request: ClaimRequest) -> Claim:
         runs = self._tables.runs
         job = key_of(request.job)
@@ -323,14 +292,24 @@ class SQLBackend(SQLRegistry):
         return self._answer(request, True, token=row["token"])
 
     def take_over_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
-        """:meth:`take_over` for many slots in one transaction: one
-        ``SELECT`` of the slots' current records (per :data:`INSERT_CHUNK`)
-        answers every slot already sent, or with a live lease, at once; only
-        the rest (no record, or ``claimed`` with an expired lease) go through
-        :meth:`take_over`'s locked read, supersede and insert.
+        """Take over slots whose winner's lease ran out (backup runner), in
+        one transaction: one ``SELECT`` of the slots' current records (per
+        :data:`INSERT_CHUNK`) answers every slot already sent, or with a
+        live lease, at once. Each of the rest (no record, or ``claimed`` with
+        an expired lease) is read again ``FOR UPDATE``; when it is a
+        scheduled run still ``claimed`` with ``lease_until_ms`` before the
+        database's now, it is updated to ``superseded`` fenced by its
+        token, state and lease, and token ``old + 1`` owned by this instance
+        is inserted (``keep_until_ms`` the later of the two). A slot with no
+        record is claimed as by :meth:`claim`.
 
         Returns:
-            one :class:`Claim` per request, in request order.
+            one :class:`Claim` per request, in request order: won with token
+            ``old + 1`` (or 1); lost with ``"window"`` outside the claim
+            window, ``"held"`` when the record is still ``claimed`` with its
+            lease running (its holder, maybe a backup that took it over
+            first, may still send it), ``"taken"`` otherwise (sent, or a
+            manual run).
         Raises:
             BackendUnavailable: no answer; treat every request as lost.
         """
@@ -446,7 +425,7 @@ class SQLBackend(SQLRegistry):
         deleted, so any instance can claim the slot at once. A record that
         came from a takeover (token above 1) cannot be deleted without
         reopening its superseded predecessor's key, so its lease is ended
-        instead (``lease_until_ms = 0``): :meth:`take_over` then wins it at
+        instead (``lease_until_ms = 0``): :meth:`take_over_many` then wins it at
         once. Records already sent, or with another token, are left alone.
 
         Raises:
@@ -502,13 +481,13 @@ class SQLBackend(SQLRegistry):
             forward (``claimed`` never is); nothing is written then.
         Raises:
             ValueError: ``state`` is ``missed``, ``skipped`` or
-                ``superseded``, which :meth:`record_if_absent` and
-                :meth:`take_over` write, never :meth:`mark`.
+                ``superseded``, which :meth:`record_many_if_absent` and
+                :meth:`take_over_many` write, never :meth:`mark`.
             BackendUnavailable: no answer.
         """
         state = State(state)
         if state in (State.MISSED, State.SKIPPED, State.SUPERSEDED):
-            raise ValueError(f"mark() cannot record {state.value!r}; see record_if_absent()")
+            raise ValueError(f"mark() cannot record {state.value!r}; see record_many_if_absent()")
         if state is State.CLAIMED or not claim.won or not isinstance(claim.token, int):
             return False
         runs = self._tables.runs
@@ -553,7 +532,7 @@ class SQLBackend(SQLRegistry):
             raise ValueError(f"{len(ids)} task ids for {len(claims)} claims")
         state = State(state)
         if state in (State.MISSED, State.SKIPPED, State.SUPERSEDED):
-            raise ValueError(f"mark() cannot record {state.value!r}; see record_if_absent()")
+            raise ValueError(f"mark() cannot record {state.value!r}; see record_many_if_absent()")
         asked = {
             (key_of(c.job), c.slot_ms, c.token): i
             for i, c in enumerate(claims)
@@ -660,37 +639,10 @@ class SQLBackend(SQLRegistry):
                 changed = len(conn.execute(sa.select(runs.c.token).where(*fenced)).all())
         return changed == 1
 
-    def record_if_absent(
-        self,
-        job: str,
-        slot_ms: int,
-        state: State,
-        *,
-        error: str | None = None,
-        history_size: int = DEFAULT_HISTORY_SIZE,
-        history_ttl_ms: int = 7 * 24 * 3600 * 1000,
-        keep_until_ms: int = 0,
-    ) -> bool:
-        """Record ``state`` (``missed`` or ``skipped``) as the slot's first
-        record with the claim's conditional insert, closing the slot.
-
-        Returns:
-            True when written; False when the slot already had a record.
-        Raises:
-            BackendUnavailable: no answer.
-        """
-        record = AbsentRecord(
-            job, slot_ms, State(state), error, history_size, history_ttl_ms, keep_until_ms
-        )
-        with self._write("record") as conn:
-            written = self._insert_if_absent(conn, self._tables.runs, self._absent_row(record))
-        if written:
-            self._after_writes([(key_of(job), history_size, history_ttl_ms)])
-        return written
-
     def record_many_if_absent(self, records: Sequence[AbsentRecord]) -> list[bool]:
-        """:meth:`record_if_absent` for many slots in one transaction: the
-        claim's multi-row conditional insert (rows in key order; a slot
+        """Record ``missed`` or ``skipped`` as the first record of each slot
+        that has none, closing the slot, in one transaction: the claim's
+        multi-row conditional insert (rows in key order; a slot
         twice in ``records`` is written once, its first answer True).
 
         Returns:
