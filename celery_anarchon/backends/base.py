@@ -47,6 +47,8 @@ __all__ = [
     "InstanceInfo",
     "RunRecord",
     "State",
+    "FINAL_RANK",
+    "FINISHED_STATES",
     "SENT_STATES",
 ]
 
@@ -76,6 +78,55 @@ class State(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    # The state rules, here once for every backend (the SQL statements, the
+    # Redis Lua scripts, which get RANK rendered from :attr:`rank`, and the
+    # RabbitMQ history fold all read them).
+
+    @property
+    def stamp(self) -> str | None:
+        """The :class:`RunRecord` timestamp a move to this state sets to the
+        backend's now: ``sent_at_ms`` for SENT, ``started_at_ms`` for
+        RUNNING, ``finished_at_ms`` for SUCCEEDED, FAILED and LOST; None for
+        the states :meth:`Backend.mark` never writes."""
+        return _STAMPS.get(self)
+
+    @property
+    def rank(self) -> int:
+        """This state's place in the forward order of a run: ``claimed`` 0 <
+        ``sent`` 1 < ``running`` 2 < 3 for every state nothing moves on from
+        (``succeeded``, ``failed``, ``lost``; and ``superseded``,
+        ``missed``, ``skipped``, which only take-over and the miss records
+        write). A mark moves a run only to a higher rank."""
+        return _RANKS.get(self, FINAL_RANK)
+
+    @property
+    def moves_from(self) -> frozenset[State]:
+        """The states :meth:`Backend.mark` moves a run to this state from:
+        those of a lower rank that a mark may touch (``claimed``, ``sent``,
+        ``running``); for SENT also ``sent`` and the finished states, where
+        it is a late ``sent`` that only fills in ``sent_at_ms`` and
+        ``task_id`` and keeps the state. Empty for the states a mark never
+        writes (``claimed``, ``missed``, ``skipped``, ``superseded``)."""
+        if self not in _STAMPS:
+            return frozenset()
+        markable = frozenset(_RANKS) | FINISHED_STATES
+        if self is State.SENT:
+            return markable
+        return frozenset(s for s in markable if s.rank < self.rank)
+
+
+#: :attr:`State.rank` of the states a run moves forward through; every other
+#: state has :data:`FINAL_RANK`.
+_RANKS = {State.CLAIMED: 0, State.SENT: 1, State.RUNNING: 2}
+#: The rank of a state nothing moves on from.
+FINAL_RANK = 3
+#: States that end a run a worker or the scheduler finished.
+FINISHED_STATES = frozenset({State.SUCCEEDED, State.FAILED, State.LOST})
+_STAMPS = {
+    State.SENT: "sent_at_ms",
+    State.RUNNING: "started_at_ms",
+    **dict.fromkeys(FINISHED_STATES, "finished_at_ms"),
+}
 
 #: States of a run that really went to the broker.
 SENT_STATES = frozenset({State.SENT, State.RUNNING, State.SUCCEEDED, State.FAILED})

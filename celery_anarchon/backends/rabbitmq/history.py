@@ -16,7 +16,7 @@ import amqp
 from amqp.exceptions import AMQPError, NotFound
 
 from ...exceptions import BackendUnavailable
-from ..base import Claim, RunRecord, State
+from ..base import FINAL_RANK, Claim, RunRecord, State
 from .channel import _ConfirmChannel, _Declare, _Lane
 from .connection import _CONNECTION_ERRORS, CLAIM_CHANNELS, RabbitMQConnection
 
@@ -123,28 +123,12 @@ _RECORD_FIELDS = frozenset(RunRecord.__dataclass_fields__)
 
 
 #: How far along a run each state is (DESIGN section 5); finished states last.
-_STATE_RANK = {
-    State.CLAIMED: 0,
-    State.MISSED: 0,
-    State.SKIPPED: 0,
-    State.SENT: 1,
-    State.RUNNING: 2,
-    State.SUCCEEDED: 3,
-    State.FAILED: 3,
-    State.LOST: 3,
-    State.SUPERSEDED: 3,
-}
-
-
-_FINISHED_RANK = 3
-
-
 def _merge(run: dict[str, Any], record: Mapping[str, Any]) -> None:
     """Fold one record into ``run`` (see :func:`fold_history`)."""
     fields = {k: v for k, v in record.items() if v is not None}
     if "state" in run:
-        now, new = _STATE_RANK[State(run["state"])], _STATE_RANK[State(fields["state"])]
-        if now == _FINISHED_RANK or new <= now:
+        now, new = State(run["state"]).rank, State(fields["state"]).rank
+        if now == FINAL_RANK or new <= now:
             if fields["state"] == State.SENT.value:
                 run.update({k: fields[k] for k in ("sent_at_ms", "task_id") if k in fields})
             return

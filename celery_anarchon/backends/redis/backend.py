@@ -39,16 +39,6 @@ DEFAULT_HISTORY_TTL_MS = 7 * 24 * 3600 * 1000
 MANUAL_LEASE_MS = 60_000
 
 
-#: The history timestamp each state sets.
-_STAMP = {
-    State.SENT: "sent_at_ms",
-    State.RUNNING: "started_at_ms",
-    State.SUCCEEDED: "finished_at_ms",
-    State.FAILED: "finished_at_ms",
-    State.LOST: "finished_at_ms",
-}
-
-
 class RedisBackend(RedisRegistry):
     """Slots claimed in Redis, one Lua script per operation.
 
@@ -278,7 +268,7 @@ class RedisBackend(RedisRegistry):
             claim.slot_ms,
             str(claim.token),
             state.value,
-            _STAMP.get(state, ""),
+            state.stamp or "",
             task_id or "",
             error or "",
         ]

@@ -12,6 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..base import FINAL_RANK, State
+
+#: :attr:`State.rank` of the states a mark moves through, as a Lua table.
+_LUA_RANKS = "{" + ", ".join(f"{s.value} = {s.rank}" for s in State if s.rank < FINAL_RANK) + "}"
+
 # Helpers shared by the scripts below (prepended to each).
 #   now_ms()                 server clock (TIME), epoch ms
 #   int(x)                   a number as a decimal string without exponent
@@ -240,8 +245,9 @@ return token
 # second 'running' (a duplicate delivery: the worker's start gate) or any
 # mark out of a finished state returns 0; a late 'sent' after the worker's
 # 'succeeded' still sets sent_at_ms and the task id, and keeps 'succeeded'.
-LUA_MARK_SCRIPT = """
-local RANK = {claimed = 0, sent = 1, running = 2}
+# The ranks are State.rank (base.py), rendered into the script below.
+LUA_MARK_SCRIPT = f"""
+local RANK = {_LUA_RANKS}
 local raw = redis.call('HGET', KEYS[1], ARGV[1])
 if not raw then
     return 0
@@ -250,7 +256,7 @@ local run = cjson.decode(raw)
 if run.state == 'superseded' or run.token == nil or int(run.token) ~= ARGV[2] then
     return 0
 end
-local from, to = RANK[run.state] or 3, RANK[ARGV[3]] or 3
+local from, to = RANK[run.state] or {FINAL_RANK}, RANK[ARGV[3]] or {FINAL_RANK}
 if ARGV[3] ~= 'sent' and to <= from then
     return 0
 end

@@ -28,29 +28,6 @@ logger = logging.getLogger(__name__)
 MANUAL_SLOT_TRIES = 100
 
 
-#: States that end a run.
-FINISHED_STATES = (State.SUCCEEDED, State.FAILED, State.LOST)
-
-#: The states mark() moves a run to, each with the states it moves from:
-#: only forward along claimed < sent < running < succeeded/failed/lost. A
-#: 'sent' reaching a run already past it (the worker was quicker) is a late
-#: 'sent': it fills in sent_at_ms and task_id and leaves the state alone.
-_MOVES_FROM = {
-    State.SENT: (State.CLAIMED, State.SENT, State.RUNNING, *FINISHED_STATES),
-    State.RUNNING: (State.CLAIMED, State.SENT),
-    **{done: (State.CLAIMED, State.SENT, State.RUNNING) for done in FINISHED_STATES},
-}
-
-#: The timestamp column mark() sets for each state.
-_STAMP = {
-    State.SENT: "sent_at_ms",
-    State.RUNNING: "started_at_ms",
-    State.SUCCEEDED: "finished_at_ms",
-    State.FAILED: "finished_at_ms",
-    State.LOST: "finished_at_ms",
-}
-
-
 def _in_window(request: ClaimRequest, now: int) -> bool:
     """Whether ``request.slot_ms`` lies in ``[now - window_before_ms, now +
     window_after_ms]`` (all epoch ms)."""
@@ -495,7 +472,7 @@ class SQLBackend(SQLRegistry):
             runs.c.job == key_of(claim.job),
             runs.c.slot_ms == claim.slot_ms,
             runs.c.token == claim.token,
-            runs.c.state.in_([s.value for s in _MOVES_FROM[state]]),
+            runs.c.state.in_(sorted(s.value for s in state.moves_from)),
         )
         with self._write("mark") as conn:
             update = sa.update(runs).where(*fenced).values(self._mark_values(state, task_id, error))
@@ -542,7 +519,7 @@ class SQLBackend(SQLRegistry):
         if not asked:
             return answers
         runs = self._tables.runs
-        movable = {s.value for s in _MOVES_FROM[state]}
+        movable = {s.value for s in state.moves_from}
         with self._write("mark") as conn:
             keys = sorted(asked)
             rows: list[Any] = []
@@ -588,7 +565,8 @@ class SQLBackend(SQLRegistry):
 
     def _mark_values(self, state: State, task_id: str | None, error: str | None) -> dict[str, Any]:
         runs = self._tables.runs
-        values: dict[str, Any] = {_STAMP[state]: self._now_expr()}
+        assert state.stamp is not None  # mark() refused the states without one
+        values: dict[str, Any] = {state.stamp: self._now_expr()}
         if state is State.SENT:  # a late 'sent' keeps the state it finds
             values["state"] = sa.case(
                 (runs.c.state == State.CLAIMED.value, State.SENT.value), else_=runs.c.state
