@@ -36,7 +36,6 @@ import functools
 import hashlib
 import inspect
 import json
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -46,7 +45,7 @@ from zoneinfo import ZoneInfo
 
 import click
 
-from .backends import backend_from_url
+from .backends import backend_from_url, sanitize_url
 from .backends.base import Backend, InstanceInfo, RunRecord
 from .control import Control
 from .exceptions import BackendUnavailable, ConfigurationError
@@ -89,9 +88,6 @@ ENTRY_KEYS = frozenset(inspect.signature(Entry.__init__).parameters) - {"self", 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-#: ``scheme://user:password@`` in free text (driver error messages).
-_CREDENTIALS = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^\s:/@]*:)[^\s@]+@")
-
 
 class _Fail(Exception):
     """Ends a command with ``code`` and a one-line ``message``."""
@@ -102,15 +98,10 @@ class _Fail(Exception):
         self.message = message
 
 
-def _masked(text: str) -> str:
-    """``text`` with any URL password replaced by ``**``."""
-    return _CREDENTIALS.sub(r"\1**@", text)
-
-
 def _one_line(exc: BaseException) -> str:
     """The first line of ``exc``'s message, credentials masked."""
     lines = str(exc).strip().splitlines()
-    return _masked(lines[0] if lines else type(exc).__name__)
+    return sanitize_url(lines[0] if lines else type(exc).__name__)
 
 
 def _handled(func: _F) -> _F:
@@ -401,7 +392,7 @@ def _note(record: RunRecord) -> str:
     if record.manual_key is not None:
         parts.append(f"run-now key={record.manual_key}")
     if record.error:
-        parts.append(_masked(record.error))
+        parts.append(sanitize_url(record.error))
     return "; ".join(parts) or "-"
 
 
@@ -722,7 +713,7 @@ class _Check:
     unreachable: bool = False
 
     def problem(self, where: str, message: str) -> None:
-        self.problems.append({"where": where, "message": _masked(message)})
+        self.problems.append({"where": where, "message": sanitize_url(message)})
 
 
 @anarchon.command()

@@ -155,14 +155,11 @@ def _sentinel_parts(url: str) -> tuple[list[tuple[str, int]], int, str | None, s
                 hosts.append((one.hostname, one.port or SENTINEL_PORT))
     except ValueError as exc:
         raise ConfigurationError(
-            f"anarchon_backend {_masked(url)!r}: not a Sentinel URL ({exc}); use "
+            f"anarchon_backend {sanitize_url(url)!r}: not a Sentinel URL ({exc}); use "
             "redis+sentinel://host:26379,host2:26379/0 or "
             "sentinel://host:26379;sentinel://host2:26379."
         ) from exc
     return hosts, db, username, password
-
-
-_PASSWORD = re.compile(r"(//[^:@/;,]*:)[^@/;]*@")
 
 
 def _connection_arguments(pool: redis.ConnectionPool) -> frozenset[str]:
@@ -180,17 +177,6 @@ def _connection_arguments(pool: redis.ConnectionPool) -> frozenset[str]:
             continue
         names |= {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     return frozenset(names - {"self", "connection_class"})
-
-
-def _masked(url: str) -> str:
-    """``url`` with every password masked, also in multi-host Sentinel URLs
-    and malformed ones, which kombu's sanitizer cannot parse."""
-    if not _is_sentinel(url):
-        try:
-            return sanitize_url(url)
-        except ValueError:
-            pass
-    return _PASSWORD.sub(r"\1**@", url)
 
 
 class RedisConnection(RedisNaming):
@@ -249,7 +235,7 @@ class RedisConnection(RedisNaming):
 
     def describe(self) -> str:
         """``RedisBackend <url, password masked> prefix=...``."""
-        where = _masked(self._url) if self._url else "(user's client)"
+        where = sanitize_url(self._url) if self._url else "(user's client)"
         return f"RedisBackend {where} prefix={self.prefix!r}"
 
     def now_ms(self) -> int:
@@ -313,7 +299,7 @@ class RedisConnection(RedisNaming):
         if _is_sentinel(url):
             if not self.master_name:
                 raise ConfigurationError(
-                    f"anarchon_backend {_masked(url)!r}: a Sentinel URL needs the "
+                    f"anarchon_backend {sanitize_url(url)!r}: a Sentinel URL needs the "
                     "master_name option (anarchon_backend_options={'master_name': "
                     "'mymaster'} or ?master_name=mymaster)."
                 )
@@ -324,13 +310,13 @@ class RedisConnection(RedisNaming):
             # parameter redis-py does not know fails here, not in a tick.
             pool = redis.ConnectionPool.from_url(url)
         except (TypeError, ValueError) as exc:
-            raise ConfigurationError(f"anarchon_backend {_masked(url)!r}: {exc}.") from exc
+            raise ConfigurationError(f"anarchon_backend {sanitize_url(url)!r}: {exc}.") from exc
         self._refuse_unknown_query(url, _connection_arguments(pool))
         try:
             pool.connection_class(**pool.connection_kwargs)
         except (TypeError, ValueError) as exc:
             raise ConfigurationError(
-                f"anarchon_backend {_masked(url)!r}: {exc}. Query parameters other than "
+                f"anarchon_backend {sanitize_url(url)!r}: {exc}. Query parameters other than "
                 f"{', '.join(sorted(self.options))} go to redis-py's connection as is."
             ) from exc
 
@@ -344,7 +330,7 @@ class RedisConnection(RedisNaming):
         close = difflib.get_close_matches(unknown[0], sorted(accepted | self.options), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ConfigurationError(
-            f"anarchon_backend {_masked(url)!r}: unknown URL query parameter(s) "
+            f"anarchon_backend {sanitize_url(url)!r}: unknown URL query parameter(s) "
             f"{', '.join(unknown)}.{hint} The query takes this backend's options "
             f"({', '.join(sorted(self.options))}) and redis-py's connection arguments "
             "(socket_connect_timeout, health_check_interval, ssl_ca_certs, ...)."

@@ -20,7 +20,7 @@ from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.schema import CreateTable
 
 from ...exceptions import BackendUnavailable, ConfigurationError
-from .. import sanitize_url
+from .. import SCHEMES, sanitize_url
 from . import dialects
 from .dialects import SQLDialects
 from .naming import SCHEMA_VERSION
@@ -28,17 +28,9 @@ from .naming import SCHEMA_VERSION
 logger = logging.getLogger(__name__)
 
 
-#: URL driver names we accept -> the SQLAlchemy driver we use.
-DRIVERS = {
-    "sqlite": "sqlite",
-    "postgres": "postgresql+psycopg",
-    "postgresql": "postgresql+psycopg",
-    "postgresql+psycopg": "postgresql+psycopg",
-    "mysql": "mysql+pymysql",
-    "mysql+pymysql": "mysql+pymysql",
-    "mariadb": "mysql+pymysql",
-    "mariadb+pymysql": "mysql+pymysql",
-}
+#: URL scheme we accept -> the SQLAlchemy driver name we use (from the one
+#: table of schemes, :data:`celery_anarchon.backends.SCHEMES`).
+DRIVERS = {name: s.sqlalchemy for name, s in SCHEMES.items() if s.sqlalchemy is not None}
 
 
 #: A pooled connection idle for longer than this is pinged before use,
