@@ -42,6 +42,7 @@ from .backends.base import (
     Claim,
     ClaimRequest,
     InstanceInfo,
+    LeaseBackend,
     RunRecord,
     State,
 )
@@ -981,7 +982,8 @@ class Scheduler(beat.Scheduler):
         for job, claim, _ in rest:
             self._held.pop((job.name, claim.slot_ms), None)
         try:
-            self._backend.release(claims)
+            if isinstance(self._backend, LeaseBackend):  # claim-only: nothing to give back
+                self._backend.release(claims)
         except BackendUnavailable as exc:
             self._on_outage(exc)
         except Exception:
@@ -1200,6 +1202,8 @@ class Scheduler(beat.Scheduler):
     def _take_over_many(self, requests: Sequence[ClaimRequest]) -> list[Claim] | None:
         """:meth:`Backend.take_over_many`, or None (logged) without a full answer."""
         assert self._backend is not None
+        if not isinstance(self._backend, LeaseBackend):  # claim-only: never takes over
+            return [Claim(r.job, r.slot_ms, won=False, reason="taken") for r in requests]
         try:
             claims = self._backend.take_over_many(requests)
         except BackendUnavailable as exc:
@@ -1619,6 +1623,8 @@ class Scheduler(beat.Scheduler):
         backend = self._backend
         if backend is None or not claims:
             return [False] * len(claims)
+        if not isinstance(backend, LeaseBackend):  # claim-only: no lease to lose
+            return [claim.won for claim in claims]
         leases = [self._jobs[c.job].options.lease_ttl for c in claims if c.job in self._jobs]
         margin_ms = _ms(min(leases, default=0.0) / 10)
         try:
@@ -2124,7 +2130,8 @@ class Scheduler(beat.Scheduler):
         self._failed_sends = {}
         if release:
             try:
-                backend.release(release)
+                if isinstance(backend, LeaseBackend):  # claim-only: nothing to give back
+                    backend.release(release)
                 logger.info("anarchon: handed %d unsent slot(s) over on shutdown", len(release))
             except Exception as exc:
                 logger.warning("anarchon: could not hand %d slot(s) over: %r", len(release), exc)

@@ -1,33 +1,40 @@
-"""The claim backend contract.
+"""The backend contract: what every backend does, and what a lease backend
+does besides.
 
-Every backend (SQL, Redis, RabbitMQ) implements :class:`Backend`. The
-contract is small and each call is atomic on the backend:
+:class:`Backend` is the claim contract every backend (SQL, Redis, RabbitMQ)
+implements. It is small, batched, and each call is atomic on the backend:
 
-* :meth:`Backend.claim` -- take slots, one winner per ``(job, slot)``, in one
-  batch;
-* :meth:`Backend.mark` -- move a claimed run to a later state (``sent``,
-  ``running``, ``succeeded``, ``failed``, ``lost``), checked against the
+* :meth:`Backend.claim` -- take slots, one winner per ``(job, slot)``;
+* :meth:`Backend.mark_many` (and :meth:`Backend.mark` for one claim, the
+  worker's start gate) -- move claimed runs to a later state (``sent``,
+  ``running``, ``succeeded``, ``failed``, ``lost``), checked against each
   claim's fencing token;
-* :meth:`Backend.extend` -- heartbeat a running run's lease (worker);
 * :meth:`Backend.record_many_if_absent` -- write ``missed`` or ``skipped``
   for slots nobody acted on;
-* :meth:`Backend.release` -- give back claimed, unsent slots (hand-over);
-* :meth:`Backend.mark_many`, :meth:`Backend.take_over_many`,
-  :meth:`Backend.holding` -- the scheduler's batched calls: record ``sent``
-  for many claims, take over many expired leases, read whether claims are
-  still held;
-* :meth:`Backend.history`, :meth:`Backend.last_run` -- read per-job history;
-* :meth:`Backend.claim_manual` -- the claim behind ``run_now``.
+* :meth:`Backend.history`, :meth:`Backend.last_run`,
+  :meth:`Backend.last_slots` -- read per-job history;
+* :meth:`Backend.claim_manual` -- the claim behind ``run_now``;
+* :meth:`Backend.register` and the other registry calls -- the live
+  instances.
 
-Times crossing the contract are integer milliseconds since the Unix epoch
-(UTC). Durations are integer milliseconds and say so in their names (``_ms``).
+:class:`LeaseBackend` (SQL, Redis) keeps an owner, a fencing token and a
+lease expiry per claim, judges time by the backend's own clock, and refuses
+a slot outside the claim window ``[now - window_before_ms, now +
+window_after_ms]``. Its lease operations are apart from the claim contract:
 
-Backends come in two kinds (DESIGN section 4). *Lease* backends
-(``supports_leases = True``: SQL, Redis) keep an owner, a fencing token and a
-lease expiry per claim, judge time by the backend's own clock, and refuse a
-slot outside the claim window ``[now - window_before_ms, now +
-window_after_ms]``. *Claim-only* backends (RabbitMQ) give one winner per slot
-and nothing more.
+* :meth:`LeaseBackend.take_over_many` -- take over slots whose lease ended
+  (backup runner);
+* :meth:`LeaseBackend.release` -- give back claimed, unsent slots
+  (hand-over);
+* :meth:`LeaseBackend.extend` -- heartbeat a running run's lease (worker);
+* :meth:`LeaseBackend.holding` -- read whether claims are still held.
+
+A claim-only backend (RabbitMQ) gives one winner per slot and nothing more.
+
+The state rules (which timestamp each state stamps, which moves go forward)
+live once, on :class:`State`. Times crossing the contract are integer
+milliseconds since the Unix epoch (UTC). Durations are integer milliseconds
+and say so in their names (``_ms``).
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ __all__ = [
     "Claim",
     "ClaimRequest",
     "InstanceInfo",
+    "LeaseBackend",
     "RunRecord",
     "State",
     "FINAL_RANK",
@@ -311,8 +319,9 @@ class Backend(abc.ABC):
     time; never another driver exception.
     """
 
-    #: True for lease backends (owner, fencing token, expiry, backend clock).
-    supports_leases: ClassVar[bool] = True
+    #: True for lease backends (:class:`LeaseBackend`: owner, fencing token,
+    #: expiry, backend clock); a plain :class:`Backend` is claim-only.
+    supports_leases: ClassVar[bool] = False
 
     #: Options this backend accepts (``anarchon_backend_options`` keys and URL
     #: query parameters); anything else is a ConfigurationError.
@@ -398,27 +407,6 @@ class Backend(abc.ABC):
             BackendUnavailable: no answer.
         """
 
-    def extend(self, claim: Claim, lease_ms: int, *, restart: bool = False) -> bool:
-        """Extend the lease of a running run (the worker's heartbeat), fenced
-        by ``claim.token``: ``lease_until_ms`` becomes the backend's now plus
-        ``lease_ms`` (milliseconds), only while the run is ``running``.
-
-        With ``restart=True`` the call is the start gate of a redelivered
-        message (``acks_late``) whose run is recorded ``running``: it writes
-        only when that lease has already expired by the backend's clock (the
-        worker that started the run stopped heartbeating: it died), and sets
-        ``started_at_ms`` to now as well. Two redeliveries racing: one wins.
-
-        Returns:
-            True when written. False when the slot's current record does not
-            carry the token, is not ``running``, or (``restart``) its lease
-            has not expired. Claim-only backends keep no lease: a heartbeat
-            returns True, a restart False.
-        Raises:
-            BackendUnavailable: no answer.
-        """
-        return not restart
-
     def mark_many(
         self,
         claims: Sequence[Claim],
@@ -470,77 +458,6 @@ class Backend(abc.ABC):
             BackendUnavailable: no answer, or not every record was answered;
                 some may have been written then, and the caller may send the
                 whole call again (a written slot then answers False).
-        """
-
-    def take_over_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
-        """Take slots over from owners whose lease ended (the backup
-        runner's checks due in one tick), in one round trip.
-
-        Atomic on the backend, per slot: only a scheduled run still
-        ``claimed`` whose ``lease_until_ms`` is before the backend's now is
-        taken; its record becomes ``superseded`` and this instance holds the
-        slot with the next fencing token. Inside the claim window only. A
-        slot with no record is claimed as by :meth:`claim`. Claim-only
-        backends never take over (the default answers every request lost,
-        ``"taken"``).
-
-        Returns:
-            one :class:`Claim` per request, in request order: won with the
-            new token, or lost: ``"held"`` when the slot is still
-            ``claimed`` with its lease running (its holder, maybe another
-            backup that took it over first, may still send it; the scheduler
-            checks again when that lease ends), ``"taken"`` when it was sent
-            (or moved further, or is a manual run), ``"window"`` outside the
-            claim window, ``"unknown"`` for a request the backend answered
-            with an error while it answered others.
-        Raises:
-            BackendUnavailable: no answer.
-        """
-        return [Claim(r.job, r.slot_ms, won=False, reason="taken") for r in requests]
-
-    def holding(self, claims: Sequence[Claim], margin_ms: int = 0) -> list[bool]:
-        """Whether each won claim is still held, in one batched read: the
-        slot's current record carries the claim's token, is still
-        ``claimed``, and its lease ends more than ``margin_ms``
-        (milliseconds) after the backend's now. The scheduler asks before
-        publishing a claim it has held for more than half its lease.
-
-        The default reads each job's history once and the backend's clock
-        once. Claim-only backends keep no lease: every won claim is held.
-
-        Returns:
-            one answer per claim, in order (False for a lost claim).
-        Raises:
-            BackendUnavailable: no answer.
-        """
-        if not self.supports_leases:
-            return [claim.won for claim in claims]
-        now = self.now_ms()
-        current: dict[tuple[str, int], RunRecord] = {}
-        for job in {claim.job for claim in claims if claim.won}:
-            for record in self.history(job):
-                if record.manual_key is None:
-                    current.setdefault((job, record.slot_ms), record)
-        answers = []
-        for claim in claims:
-            found = current.get((claim.job, claim.slot_ms))
-            answers.append(
-                claim.won
-                and found is not None
-                and found.token == claim.token
-                and found.state is State.CLAIMED
-                and (found.lease_until_ms or 0) > now + margin_ms
-            )
-        return answers
-
-    def release(self, claims: Sequence[Claim]) -> None:  # noqa: B027
-        """Give back won claims that were not sent (hand-over on shutdown),
-        so another instance can claim them at once. Fenced by token; a claim
-        already sent is left alone. Claim-only backends cannot release and
-        do nothing.
-
-        Raises:
-            BackendUnavailable: no answer.
         """
 
     @abc.abstractmethod
@@ -654,3 +571,86 @@ class Backend(abc.ABC):
     def describe(self) -> str:
         """The backend for logs and banners, credentials masked."""
         return type(self).__name__
+
+
+class LeaseBackend(Backend):
+    """A backend that keeps a lease per claim (SQL, Redis): an owner, a
+    fencing token and a lease expiry, judged by the backend's own clock.
+
+    On top of the claim contract of :class:`Backend` it takes slots over
+    from owners whose lease ended, gives unsent claims back, extends a
+    running run's lease and reads whether claims are still held. A
+    claim-only backend (RabbitMQ) has none of these: callers check
+    ``isinstance(backend, LeaseBackend)`` (or :attr:`supports_leases`) first.
+    """
+
+    supports_leases: ClassVar[bool] = True
+
+    @abc.abstractmethod
+    def take_over_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
+        """Take slots over from owners whose lease ended (the backup
+        runner's checks due in one tick), in one round trip.
+
+        Atomic on the backend, per slot: only a scheduled run still
+        ``claimed`` whose ``lease_until_ms`` is before the backend's now is
+        taken; its record becomes ``superseded`` and this instance holds the
+        slot with the next fencing token. Inside the claim window only. A
+        slot with no record is claimed as by :meth:`claim`.
+
+        Returns:
+            one :class:`Claim` per request, in request order: won with the
+            new token, or lost: ``"held"`` when the slot is still
+            ``claimed`` with its lease running (its holder, maybe another
+            backup that took it over first, may still send it; the scheduler
+            checks again when that lease ends), ``"taken"`` when it was sent
+            (or moved further, or is a manual run), ``"window"`` outside the
+            claim window, ``"unknown"`` for a request the backend answered
+            with an error while it answered others.
+        Raises:
+            BackendUnavailable: no answer.
+        """
+
+    @abc.abstractmethod
+    def release(self, claims: Sequence[Claim]) -> None:
+        """Give back won claims that were not sent (hand-over on shutdown,
+        or a batch that could not be sent in time), so another instance can
+        claim them at once. Fenced by token; a claim already sent is left
+        alone.
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+
+    @abc.abstractmethod
+    def extend(self, claim: Claim, lease_ms: int, *, restart: bool = False) -> bool:
+        """Extend the lease of a running run (the worker's heartbeat), fenced
+        by ``claim.token``: ``lease_until_ms`` becomes the backend's now plus
+        ``lease_ms`` (milliseconds), only while the run is ``running``.
+
+        With ``restart=True`` the call is the start gate of a redelivered
+        message (``acks_late``) whose run is recorded ``running``: it writes
+        only when that lease has already expired by the backend's clock (the
+        worker that started the run stopped heartbeating: it died), and sets
+        ``started_at_ms`` to now as well. Two redeliveries racing: one wins.
+
+        Returns:
+            True when written. False when the slot's current record does not
+            carry the token, is not ``running``, or (``restart``) its lease
+            has not expired.
+        Raises:
+            BackendUnavailable: no answer.
+        """
+
+    @abc.abstractmethod
+    def holding(self, claims: Sequence[Claim], margin_ms: int = 0) -> list[bool]:
+        """Whether each won claim is still held, in one batched read: the
+        slot's current record carries the claim's token, is still
+        ``claimed``, and its lease ends more than ``margin_ms``
+        (milliseconds) after the backend's now. The scheduler asks before
+        publishing a claim whose send stalled.
+
+        Returns:
+            one answer per claim, in order (False for a lost claim).
+        Raises:
+            BackendUnavailable: no answer.
+        """

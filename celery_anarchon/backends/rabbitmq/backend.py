@@ -106,7 +106,6 @@ class RabbitMQBackend(RabbitMQHistory):
             reserved, a client that is not an AMQP connection.
     """
 
-    supports_leases: ClassVar[bool] = False
     options: ClassVar[frozenset[str]] = frozenset({"prefix", "slot_ttl", "confirm_timeout"})
 
     def __init__(
@@ -449,8 +448,5 @@ class RabbitMQBackend(RabbitMQHistory):
             self._take_gates([attempt])
             self._record_outcomes([attempt], State.CLAIMED)
             return self._claim_of(attempt)
-
-    def release(self, claims: Sequence[Claim]) -> None:
-        """Do nothing: a gate cannot be given back (claim-only)."""
 
     # -- history -----------------------------------------------------------

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-from ..base import Backend
+from ..base import LeaseBackend
 
 
-class RedisNaming(Backend):
+class RedisNaming(LeaseBackend):
     """The keys under ``self.prefix``."""
 
     #: the key prefix ``P`` (default ``"anarchon:"``)

@@ -13,7 +13,7 @@ from sqlalchemy.dialects import postgresql as postgresql_sql
 from sqlalchemy.dialects import sqlite as sqlite_sql
 from sqlalchemy.engine import Connection
 
-from ..base import Backend
+from ..base import LeaseBackend
 from .naming import _Tables
 
 #: Most rows in one multi-row INSERT (well under SQLite's 32766 parameters).
@@ -52,7 +52,7 @@ def _process_now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-class SQLDialects(Backend):
+class SQLDialects(LeaseBackend):
     """The statements that differ by dialect (``self.kind``)."""
 
     #: ``"sqlite"``, ``"postgresql"`` or ``"mysql"`` (MariaDB included).
