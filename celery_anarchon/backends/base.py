@@ -62,7 +62,8 @@ __all__ = [
 
 
 class State(str, enum.Enum):
-    """States of a run in history (DESIGN section 5)."""
+    """States of a run in history (``docs/how-it-works.md``, "Leases and
+    fencing tokens")."""
 
     #: Held by an instance, not yet sent.
     CLAIMED = "claimed"

@@ -1,5 +1,5 @@
 """RabbitMQ claim-only backend: a gate queue per slot, decided by publisher
-confirms (DESIGN section 4, "RabbitMQ: claim only").
+confirms (``docs/backends/rabbitmq.md``).
 
 How a slot is claimed
 =====================

@@ -43,7 +43,8 @@ def check_job(
 
     A gate queue is deleted ``slot_ttl`` after it was last declared; an
     instance may still try a slot up to ``jitter + max_late + max_skew``
-    after it (DESIGN section 4). All durations in seconds (or timedelta).
+    after it (``docs/backends/rabbitmq.md``, "``slot_ttl`` must outlast
+    every late claim"). All durations in seconds (or timedelta).
 
     Raises:
         ConfigurationError: ``jitter + max_late + max_skew >= slot_ttl``,
@@ -80,7 +81,8 @@ def gate_arguments(ttl_ms: int) -> dict[str, Any]:
 
 class RabbitMQBackend(RabbitMQHistory):
     """Claim-only backend on RabbitMQ 3.9+: gate queues and publisher
-    confirms (see the module docstring for the mechanism and its limits).
+    confirms (see the :mod:`celery_anarchon.backends.rabbitmq` docstring for
+    the mechanism and its limits).
 
     Args:
         url: ``amqp://user:pass@host:port/vhost``, ``amqps://...`` (TLS) or

@@ -122,7 +122,6 @@ def fold_history(records: Iterable[Mapping[str, Any]]) -> list[RunRecord]:
 _RECORD_FIELDS = frozenset(RunRecord.__dataclass_fields__)
 
 
-#: How far along a run each state is (DESIGN section 5); finished states last.
 def _merge(run: dict[str, Any], record: Mapping[str, Any]) -> None:
     """Fold one record into ``run`` (see :func:`fold_history`)."""
     fields = {k: v for k, v in record.items() if v is not None}

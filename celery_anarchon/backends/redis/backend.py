@@ -72,8 +72,8 @@ class RedisBackend(RedisRegistry):
       steps of a tenth of ``history_ttl_ms``, so they may live that much
       longer); registry entries expire after ``ttl_ms``.
 
-    Needs Redis 6.2 or later (:meth:`open` checks). Limits (DESIGN section
-    4): a Redis without persistence, or a Sentinel
+    Needs Redis 6.2 or later (:meth:`open` checks). Limits (``docs/backends/redis.md``):
+    a Redis without persistence, or a Sentinel
     failover that loses unreplicated writes, can lose a claim, and then a slot
     can be claimed twice; AOF with ``appendfsync always`` and replicas narrow
     that window, they do not close it. An eviction policy other than

@@ -46,7 +46,8 @@ class SQLBackend(SQLRegistry):
     ``mysql+pymysql://``, ``mariadb://``: MySQL and MariaDB go through
     PyMySQL) or with ``client=`` an SQLAlchemy :class:`~sqlalchemy.engine.Engine`
     the user owns (then :meth:`close` never disposes it). Nothing connects
-    before :meth:`open`, which creates the tables (see the module docstring)
+    before :meth:`open`, which creates the tables (see the :mod:`celery_anarchon.backends.sql`
+    docstring)
     if missing; several processes may do so at once.
 
     Guarantees, and the statement that gives each:
