@@ -36,7 +36,7 @@ from celery_anarchon.backends.base import AbsentRecord, Claim, ClaimRequest, Ins
 from celery_anarchon.backends.redis import RedisBackend
 from celery_anarchon.exceptions import BackendUnavailable, ConfigurationError
 
-from .conftest import IN_CI, REDIS_URL, require_service
+from ..conftest import IN_CI, REDIS_URL, require_service
 
 pytestmark = pytest.mark.services
 

@@ -39,7 +39,7 @@ from celery_anarchon.backends.rabbitmq import (
 )
 from celery_anarchon.exceptions import BackendUnavailable, ConfigurationError
 
-from .conftest import require_service
+from ..conftest import require_service
 
 pytestmark = pytest.mark.services
 

@@ -24,7 +24,7 @@ from celery_anarchon.backends.base import (
 )
 from celery_anarchon.exceptions import BackendUnavailable, ConfigurationError
 
-from .conftest import BackendFactory
+from ..conftest import BackendFactory
 
 pytestmark = pytest.mark.services
 

@@ -27,7 +27,7 @@ from celery_anarchon.backends.base import Claim, ClaimRequest, InstanceInfo, Sta
 from celery_anarchon.backends.sql import CLIENT_FOUND_ROWS, SCHEMA_VERSION, SQLBackend
 from celery_anarchon.exceptions import BackendUnavailable, ConfigurationError
 
-from .conftest import MYSQL_URL, POSTGRES_URL, require_service
+from ..conftest import MYSQL_URL, POSTGRES_URL, require_service
 
 pytestmark = pytest.mark.services
 
