@@ -429,9 +429,9 @@ def check_backend_supports(backend: Backend, settings: Settings, job: Job) -> No
             f"{backend.describe()} is claim-only. Remove the setting, or set "
             "anarchon_backend to Redis, PostgreSQL or SQLite."
         )
-    check = getattr(backend, "check_job", None)
-    if check is not None:
-        check(job.name, jitter_s=o.jitter, max_late_s=o.max_late, max_skew_s=settings.max_skew)
+    backend.check_job(
+        job.name, jitter_s=o.jitter, max_late_s=o.max_late, max_skew_s=settings.max_skew
+    )
 
 
 def send_slot(

@@ -44,6 +44,7 @@ import dataclasses
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, ClassVar
 
 __all__ = [
@@ -568,6 +569,26 @@ class Backend(abc.ABC):
         that its caller does upkeep regularly, and from then on leave such
         work out of its claims (off the claim path). Never raises. Default:
         nothing."""
+
+    def check_job(  # noqa: B027
+        self,
+        job: str,
+        *,
+        jitter_s: float | timedelta,
+        max_late_s: float | timedelta,
+        max_skew_s: float | timedelta,
+    ) -> None:
+        """Refuse, at start-up and in ``check``, a job this backend cannot
+        keep to one run per slot. Durations in seconds (or timedelta).
+
+        The default accepts every job: a lease backend keeps a claim record
+        at least until ``keep_until_ms`` of each request. RabbitMQ refuses a
+        job whose ``jitter + max_late + max_skew`` reaches its ``slot_ttl``.
+
+        Raises:
+            ConfigurationError: the job cannot be kept to one run per slot,
+                naming the job, the values and the fix.
+        """
 
     def describe(self) -> str:
         """The backend for logs and banners, credentials masked."""
