@@ -21,7 +21,6 @@ from sqlalchemy.schema import CreateTable
 
 from ...exceptions import BackendUnavailable, ConfigurationError
 from .. import SCHEMES, sanitize_url
-from . import dialects
 from .dialects import SQLDialects
 from .naming import SCHEMA_VERSION
 
@@ -210,8 +209,8 @@ class SQLConnection(SQLDialects):
         Raises:
             BackendUnavailable: no answer.
         """
-        if self.kind == "sqlite":  # through the module: the one clock seam tests move
-            return dialects._process_now_ms()
+        if self.kind == "sqlite":
+            return self._process_now()
         with self._read("read the clock") as conn:
             return self._now(conn)
 

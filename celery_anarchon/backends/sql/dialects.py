@@ -174,6 +174,11 @@ class SQLDialects(LeaseBackend):
             set_={k: stmt2.excluded[k] for k in row if k not in keys},
         )
 
+    @staticmethod
+    def _process_now() -> int:
+        """This process's clock, epoch ms: SQLite's (it has no server)."""
+        return _process_now_ms()
+
     def _now(self, conn: Connection) -> int:
         """The database clock, epoch ms, read on ``conn``."""
         if self.kind == "sqlite":
