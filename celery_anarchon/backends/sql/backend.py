@@ -145,8 +145,6 @@ class SQLBackend(SQLLeases):
         self._pid = os.getpid()
         self._ready = False
         self._writes: dict[str, int] = {}
-        #: job key -> (history_size, history_ttl_ms, waiting since (monotonic
-        #: seconds)) of trims left to housekeep(), oldest first
         self._trims_due: dict[str, tuple[int, int, float]] = {}
         self._housekept = False
         self._unnest_stmt: Any = None
