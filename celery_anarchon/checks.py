@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from zoneinfo import ZoneInfo
 
-from .backends import backend_from_url
+from .backends import backend_from_url, sanitize_url
 from .backends.base import Backend
 from .beat.registry import registry_ttl
 from .exceptions import BackendUnavailable, ConfigurationError
@@ -33,7 +32,6 @@ __all__ = [
     "CheckResult",
     "Probe",
     "check_backend_supports",
-    "masked",
     "one_line",
     "has_clock",
     "probe_backend",
@@ -43,19 +41,10 @@ __all__ = [
 #: Keys a ``beat_schedule`` entry may have (those of the scheduler's Entry).
 ENTRY_KEYS = frozenset(inspect.signature(Entry.__init__).parameters) - {"self", "name", "app"}
 
-#: ``scheme://user:password@`` in free text (driver error messages).
-_CREDENTIALS = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^\s:/@]*:)[^\s@]+@")
-
-
-def masked(text: str) -> str:
-    """``text`` with any URL password replaced by ``**``."""
-    return _CREDENTIALS.sub(r"\1**@", text)
-
-
 def one_line(exc: BaseException) -> str:
     """The first line of ``exc``'s message, credentials masked."""
     lines = str(exc).strip().splitlines()
-    return masked(lines[0] if lines else type(exc).__name__)
+    return sanitize_url(lines[0] if lines else type(exc).__name__)
 
 
 def check_backend_supports(backend: Backend, settings: Settings, job: Job) -> None:
@@ -85,9 +74,9 @@ def check_backend_supports(backend: Backend, settings: Settings, job: Job) -> No
             f"{backend.describe()} is claim-only. Remove the setting, or set "
             "anarchon_backend to Redis, PostgreSQL or SQLite."
         )
-    check = getattr(backend, "check_job", None)
-    if check is not None:
-        check(job.name, jitter_s=o.jitter, max_late_s=o.max_late, max_skew_s=settings.max_skew)
+    backend.check_job(
+        job.name, jitter_s=o.jitter, max_late_s=o.max_late, max_skew_s=settings.max_skew
+    )
 
 
 @dataclass
@@ -137,7 +126,7 @@ class CheckResult:
     unreachable: bool = False
 
     def problem(self, where: str, message: str) -> None:
-        self.problems.append({"where": where, "message": masked(message)})
+        self.problems.append({"where": where, "message": sanitize_url(message)})
 
 
 def run_check(app: Any, schedule_filename: str | None, connect: bool) -> CheckResult:

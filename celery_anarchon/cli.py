@@ -43,9 +43,10 @@ from zoneinfo import ZoneInfo
 
 import click
 
+from .backends import sanitize_url
 from .backends.base import Backend, InstanceInfo, RunRecord
 from .beat.registry import HEARTBEAT_INTERVAL, schedule_fingerprint
-from .checks import CheckResult, Probe, has_clock, masked, one_line, probe_backend, run_check
+from .checks import CheckResult, Probe, has_clock, one_line, probe_backend, run_check
 from .control import Control
 from .exceptions import BackendUnavailable, ConfigurationError
 from .model import Job, app_zone
@@ -372,7 +373,7 @@ def _note(record: RunRecord) -> str:
     if record.manual_key is not None:
         parts.append(f"run-now key={record.manual_key}")
     if record.error:
-        parts.append(masked(record.error))
+        parts.append(sanitize_url(record.error))
     return "; ".join(parts) or "-"
 
 

@@ -119,7 +119,7 @@ from celery import signals
 from celery.exceptions import Ignore
 
 from .backends import backend_from_url
-from .backends.base import Backend, Claim, State
+from .backends.base import Backend, Claim, LeaseBackend, State
 from .exceptions import AnarchonError
 from .message import HEADER_JOB, HEADER_SLOT, HEADER_TOKEN, expires_for, message_expiry_ms
 from .settings import Settings
@@ -435,12 +435,16 @@ class WorkerIntegration:
         backend = self.backend()
         if request.retries and not _redelivered(request):
             # A retry of a run that started: running -> running, same token.
-            if backend.extend(claim, lease_ms):
+            if not isinstance(backend, LeaseBackend) or backend.extend(claim, lease_ms):
                 return True
             return backend.mark(claim, State.RUNNING)
         if backend.mark(claim, State.RUNNING):
             return True
-        if getattr(task, "acks_late", False) and backend.extend(claim, lease_ms, restart=True):
+        if (
+            getattr(task, "acks_late", False)
+            and isinstance(backend, LeaseBackend)
+            and backend.extend(claim, lease_ms, restart=True)
+        ):
             logger.warning(
                 "anarchon: restarted %s @ %s (task %s): the run was recorded running but "
                 "its lease expired (the worker that started it stopped), and the task "
@@ -530,7 +534,8 @@ class WorkerIntegration:
             if run not in self._runs:
                 return  # finished meanwhile
         try:
-            if self.backend().extend(run.claim, run.lease_ms):
+            backend = self.backend()
+            if not isinstance(backend, LeaseBackend) or backend.extend(run.claim, run.lease_ms):
                 return
         except Exception as exc:
             logger.warning(
@@ -631,7 +636,9 @@ class WorkerIntegration:
             return
         delay_ms = _retry_delay_ms(getattr(reason, "when", None))
         try:
-            self.backend().extend(run.claim, run.lease_ms + delay_ms)
+            backend = self.backend()
+            if isinstance(backend, LeaseBackend):
+                backend.extend(run.claim, run.lease_ms + delay_ms)
         except Exception as exc:
             logger.warning(
                 "anarchon: could not keep %s @ %s running for its retry: %s",

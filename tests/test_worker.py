@@ -337,7 +337,7 @@ def test_a_superseded_token_is_discarded(harness: Harness) -> None:
     runs, whichever comes first."""
     request, first = harness.claim(new_job(), lease_ms=1, sent=False)
     time.sleep(0.05)
-    backup = harness.backend.take_over(request)  # type: ignore[attr-defined]
+    backup = harness.backend.take_over_many([request])[0]  # type: ignore[attr-defined]
     assert backup.won and backup.token == first.token + 1
     path = harness.path()
     harness.send(first, "itest.record", path, "first")

@@ -188,13 +188,13 @@ class Claimer:
         instance or another claims them afresh, with a full lease. If the
         release fails they stay claimed, and a backup takes them over when
         their lease ends."""
-        backend = self._link.backend
-        assert backend is not None
+        backend = self._link.lease_backend
         claims = [slot.claim for slot in rest if slot.claim is not None]
         for slot in rest:
             self.held.pop(slot.key, None)
         try:
-            backend.release(claims)
+            if backend is not None:  # a claim-only backend cannot give a gate back
+                backend.release(claims)
         except BackendUnavailable as exc:
             self._link.on_outage(exc)
         except Exception:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from ..backends.base import Backend
+from ..backends.base import Backend, LeaseBackend
 from ..exceptions import BackendUnavailable, ConfigurationError
 
 __all__ = ["BACKOFF_MAX", "BACKOFF_MIN", "BackendLink"]
@@ -49,7 +49,15 @@ class BackendLink:
     def leases(self) -> bool:
         """True when the backend has leases (backup runners, the registry,
         overlap, catch-up); False on a claim-only backend or none yet."""
-        return self.backend is not None and self.backend.supports_leases
+        return self.lease_backend is not None
+
+    @property
+    def lease_backend(self) -> LeaseBackend | None:
+        """The backend, when it has leases (:class:`LeaseBackend`: take
+        over, release, extend, holding); None on a claim-only backend or
+        none yet."""
+        backend = self.backend
+        return backend if isinstance(backend, LeaseBackend) else None
 
     def connect(self, *, strict: bool) -> None:
         """Open the backend and probe it with one real round trip.

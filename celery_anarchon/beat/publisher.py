@@ -417,8 +417,8 @@ class Publisher:
         False when the backend does not answer. (A batch gives back what it
         could not send by :data:`GIVE_BACK_SHARE` of the lease, so this is
         asked only of a send that stalled on its own.)"""
-        backend = self._link.backend
-        if not self._link.leases or backend is None:
+        backend = self._link.lease_backend
+        if backend is None:  # claim-only: no lease to lose
             return True
         assert slot.claim is not None
         claims: list[Claim] = [slot.claim]

@@ -25,7 +25,7 @@ from typing import Any
 from celery import beat
 
 from ..backends import backend_from_url, scheme_of
-from ..backends.base import Backend, InstanceInfo, State
+from ..backends.base import Backend, InstanceInfo, LeaseBackend, State
 from ..checks import check_backend_supports, run_check
 from ..exceptions import ConfigurationError
 from ..metrics import Metrics, metrics_from_app
@@ -503,7 +503,8 @@ class Scheduler(beat.Scheduler):
         lost += self.publisher.hand_over(now_ms)
         if release:
             try:
-                backend.release(release)
+                if isinstance(backend, LeaseBackend):  # claim-only: nothing to give back
+                    backend.release(release)
                 logger.info("anarchon: handed %d unsent slot(s) over on shutdown", len(release))
             except Exception as exc:
                 logger.warning("anarchon: could not hand %d slot(s) over: %r", len(release), exc)

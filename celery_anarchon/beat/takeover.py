@@ -203,9 +203,12 @@ class TakeOver:
             self._agenda.push(retry_ms, slot)
 
     def _take_over_many(self, requests: Sequence[ClaimRequest]) -> list[Claim] | None:
-        """:meth:`Backend.take_over_many`, or None (logged) without a full answer."""
-        backend = self._link.backend
-        assert backend is not None
+        """:meth:`LeaseBackend.take_over_many`, or None (logged) without a
+        full answer; every request ``taken`` on a claim-only backend (it
+        never takes over)."""
+        backend = self._link.lease_backend
+        if backend is None:
+            return [Claim(r.job, r.slot_ms, won=False, reason="taken") for r in requests]
         try:
             claims = backend.take_over_many(requests)
         except BackendUnavailable as exc:

@@ -44,11 +44,10 @@ def test_take_over_checks_of_a_round_go_in_one_batch(sqlite_url: str) -> None:
     clock = Clock(slot - 0.5)
     s = Scheduler(app, clock=clock)
     batches: list[int] = []
-    single: list[Any] = []
     try:
         assert s.backend is not None
         spy(s.backend, "take_over_many", batches, lambda requests: len(requests))
-        spy(s.backend, "take_over", single, lambda request: request.job)
+        assert not hasattr(s.backend, "take_over")  # no one-by-one form to fall back on
         requests = [s.jobs[f"job-{i:04d}"].claim_request(slot_ms, 120) for i in range(20)]
         expired = [r.__class__(**{**r.__dict__, "lease_ms": 1}) for r in requests[:10]]
         claims = dead.claim(expired + requests[10:])
@@ -59,7 +58,7 @@ def test_take_over_checks_of_a_round_go_in_one_batch(sqlite_url: str) -> None:
         assert sent_slots(app) == [] and batches == []
         clock.now = slot + 3.0  # the backup's lease plus its jitter, rounded
         s.tick()
-        assert batches == [20] and single == []
+        assert batches == [20]
         assert sorted(sent_slots(app)) == [(f"job-{i:04d}", slot_ms) for i in range(10)]
         for i in range(20):
             states = [r.state for r in s.backend.history(f"job-{i:04d}")]
@@ -242,7 +241,7 @@ def test_a_backup_killed_after_its_take_over_is_taken_over_again(url: str) -> No
         s.tick()  # loses the race
         time.sleep(1.2)  # the owner's lease ends
         request = ClaimRequest("k", slot_ms, 10**9, 10**9, slot_ms + 10**7, 5000)
-        backup = other.take_over(request)
+        backup = other.take_over_many([request])[0]
         assert backup.won and backup.token == 2  # then it died
         clock.now = slot_ms / 1000 + 2
         s.tick()  # its check finds token 2's lease running
@@ -288,7 +287,7 @@ def test_a_claim_whose_lease_ended_unsent_is_recorded_lost_after_max_late(url: s
         assert [(r.state, r.token) for r in older] == [(State.SUPERSEDED, 1)]
         late = ClaimRequest("k", slot_ms, 10**9, 10**9, slot_ms + 10**7, 1000)
         assert not dead.claim([late])[0].won
-        assert not dead.take_over(late).won
+        assert not dead.take_over_many([late])[0].won
     finally:
         s.close()
         dead.close()
