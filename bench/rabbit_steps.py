@@ -118,7 +118,8 @@ def stream_lanes(vhost: str, count: int, lanes: int) -> float:
     import amqp
     from amqp import spec
 
-    from celery_anarchon.backends.rabbitmq import _ConfirmChannel, history_arguments
+    from celery_anarchon.backends.rabbitmq import history_arguments
+    from celery_anarchon.backends.rabbitmq.channel import _ConfirmChannel
 
     conn = amqp.Connection(common.RABBIT_HOST, userid="guest", password="guest", virtual_host=vhost)
     conn.connect()

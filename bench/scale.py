@@ -76,11 +76,9 @@ def mixed_schedule(count: int, due: int = 0) -> dict[str, dict[str, Any]]:
 
 def stub_backend_class() -> type[Any]:
     """A backend that wins every claim at once and keeps nothing."""
-    from celery_anarchon.backends.base import Backend, Claim
+    from celery_anarchon.backends.base import Claim, LeaseBackend
 
-    class StubBackend(Backend):
-        supports_leases = True
-
+    class StubBackend(LeaseBackend):
         def open(self) -> None:
             """Nothing to connect."""
 
@@ -96,14 +94,26 @@ def stub_backend_class() -> type[Any]:
         def mark(self, claim: Any, state: Any, **_: Any) -> bool:
             return True
 
-        def record_if_absent(self, job: str, slot_ms: int, state: Any, **_: Any) -> bool:
-            return True
+        def record_many_if_absent(self, records: Sequence[Any]) -> list[bool]:
+            return [True] * len(records)
 
         def history(self, job: str, limit: int | None = None) -> list[Any]:
             return []
 
         def claim_manual(self, job: str, key: str, keep_until_ms: int) -> Any:
             return Claim(job, self.now_ms(), won=True, token=1)
+
+        def take_over_many(self, requests: Sequence[Any]) -> list[Any]:
+            return [Claim(r.job, r.slot_ms, won=False, reason="taken") for r in requests]
+
+        def release(self, claims: Sequence[Any]) -> None:
+            """Nothing is kept: nothing to give back."""
+
+        def extend(self, claim: Any, lease_ms: int, *, restart: bool = False) -> bool:
+            return not restart
+
+        def holding(self, claims: Sequence[Any], margin_ms: int = 0) -> list[bool]:
+            return [False] * len(claims)  # no record is kept, so none is held
 
     return StubBackend
 

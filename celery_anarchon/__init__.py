@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = ["Scheduler", "cron", "__version__"]
 
 if TYPE_CHECKING:
-    from .scheduler import Scheduler
+    from .beat.scheduler import Scheduler
     from .slots import cron
 
 
@@ -22,7 +22,7 @@ def __getattr__(name: str) -> Any:
     # Lazy, so ``import celery_anarchon`` stays cheap and Celery can load the
     # scheduler class by name without importing every backend.
     if name == "Scheduler":
-        from .scheduler import Scheduler
+        from .beat.scheduler import Scheduler
 
         return Scheduler
     if name == "cron":

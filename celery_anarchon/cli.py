@@ -33,10 +33,7 @@ from __future__ import annotations
 
 import difflib
 import functools
-import hashlib
-import inspect
 import json
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -46,21 +43,13 @@ from zoneinfo import ZoneInfo
 
 import click
 
-from .backends import backend_from_url
+from .backends import sanitize_url
 from .backends.base import Backend, InstanceInfo, RunRecord
+from .beat.registry import HEARTBEAT_INTERVAL, schedule_fingerprint
+from .checks import CheckResult, Probe, has_clock, one_line, probe_backend, run_check
 from .control import Control
 from .exceptions import BackendUnavailable, ConfigurationError
-from .metrics import metrics_config
-from .scheduler import (
-    HEARTBEAT_INTERVAL,
-    Entry,
-    Job,
-    app_zone,
-    build_jobs,
-    check_backend_supports,
-    registry_ttl,
-)
-from .settings import Settings
+from .model import Job, app_zone
 
 __all__ = [
     "anarchon",
@@ -84,13 +73,7 @@ NEXT_SLOTS = 3
 #: A heartbeat older than this is reported as stale by ``status``, seconds.
 STALE_HEARTBEAT_S = 3 * HEARTBEAT_INTERVAL
 
-#: Keys a ``beat_schedule`` entry may have (those of the scheduler's Entry).
-ENTRY_KEYS = frozenset(inspect.signature(Entry.__init__).parameters) - {"self", "name", "app"}
-
 _F = TypeVar("_F", bound=Callable[..., Any])
-
-#: ``scheme://user:password@`` in free text (driver error messages).
-_CREDENTIALS = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^\s:/@]*:)[^\s@]+@")
 
 
 class _Fail(Exception):
@@ -100,17 +83,6 @@ class _Fail(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
-
-
-def _masked(text: str) -> str:
-    """``text`` with any URL password replaced by ``**``."""
-    return _CREDENTIALS.sub(r"\1**@", text)
-
-
-def _one_line(exc: BaseException) -> str:
-    """The first line of ``exc``'s message, credentials masked."""
-    lines = str(exc).strip().splitlines()
-    return _masked(lines[0] if lines else type(exc).__name__)
 
 
 def _handled(func: _F) -> _F:
@@ -125,11 +97,11 @@ def _handled(func: _F) -> _F:
         except _Fail as exc:
             _exit(exc.code, exc.message, as_json)
         except BackendUnavailable as exc:
-            _exit(EXIT_UNREACHABLE, f"claim backend unreachable: {_one_line(exc)}", as_json)
+            _exit(EXIT_UNREACHABLE, f"claim backend unreachable: {one_line(exc)}", as_json)
         except ConfigurationError as exc:
             _exit(
                 EXIT_CONFIG,
-                f"configuration error: {_one_line(exc)} "
+                f"configuration error: {one_line(exc)} "
                 "(`celery anarchon check` lists every problem)",
                 as_json,
             )
@@ -401,7 +373,7 @@ def _note(record: RunRecord) -> str:
     if record.manual_key is not None:
         parts.append(f"run-now key={record.manual_key}")
     if record.error:
-        parts.append(_masked(record.error))
+        parts.append(sanitize_url(record.error))
     return "; ".join(parts) or "-"
 
 
@@ -480,7 +452,7 @@ def run_now(ctx: click.Context, job: str, key: str | None, as_json: bool) -> Non
         except Exception as exc:
             raise _Fail(
                 EXIT_PROBLEM,
-                f"{job}: claimed, but the broker refused the task ({_one_line(exc)}); "
+                f"{job}: claimed, but the broker refused the task ({one_line(exc)}); "
                 "recorded as lost, not sent",
             ) from exc
         if as_json:
@@ -500,54 +472,12 @@ def run_now(ctx: click.Context, job: str, key: str | None, as_json: bool) -> Non
 
 
 @dataclass
-class _Probe:
-    """What ``status`` measured of the backend (milliseconds)."""
-
-    connect_ms: float
-    rtt_ms: float | None = None
-    backend_now_ms: int | None = None
-    host_offset_ms: float | None = None
-
-
-def _has_clock(backend: Backend) -> bool:
-    """True when the backend judges time by a clock of its own (Redis
-    ``TIME``, the database's clock); SQLite and RabbitMQ use each host's."""
-    return backend.supports_leases and getattr(backend, "kind", None) != "sqlite"
-
-
-def _probe(backend: Backend) -> _Probe:
-    """Connect, then read the backend clock three times; keep the sample
-    with the shortest round trip (as NTP does)."""
-    started = time.perf_counter()
-    backend.open()
-    probe = _Probe(connect_ms=(time.perf_counter() - started) * 1000)
-    if not _has_clock(backend):
-        return probe
-    for _ in range(3):
-        local_s, before = time.time(), time.perf_counter()
-        backend_now = backend.now_ms()
-        rtt_s = time.perf_counter() - before
-        if probe.rtt_ms is None or rtt_s * 1000 < probe.rtt_ms:
-            probe.rtt_ms = rtt_s * 1000
-            probe.backend_now_ms = backend_now
-            probe.host_offset_ms = (local_s + rtt_s / 2) * 1000 - backend_now
-    return probe
-
-
-def schedule_fingerprint(jobs: Mapping[str, Job]) -> str:
-    """The fingerprint a scheduler running ``jobs`` registers (the same
-    hash as :meth:`Scheduler.instance_info`)."""
-    text = "\x00".join(f"{name}={job.definition}" for name, job in sorted(jobs.items()))
-    return hashlib.sha1(text.encode()).hexdigest()[:12]
-
-
-@dataclass
 class _Status:
     backend: str
     supports_leases: bool
     backend_clock: bool
     max_skew_s: float
-    probe: _Probe
+    probe: Probe
     local_fingerprint: str
     instances: list[dict[str, Any]] = field(default_factory=list)
     drift: list[dict[str, Any]] = field(default_factory=list)
@@ -571,11 +501,11 @@ def status(ctx: click.Context, as_json: bool) -> None:
     """
     with _control(ctx) as control:
         backend = control.backend
-        probe = _probe(backend)
+        probe = probe_backend(backend)
         report = _Status(
             backend=backend.describe(),
             supports_leases=backend.supports_leases,
-            backend_clock=_has_clock(backend),
+            backend_clock=has_clock(backend),
             max_skew_s=control.settings.max_skew,
             probe=probe,
             local_fingerprint=schedule_fingerprint(control.jobs),
@@ -710,21 +640,6 @@ def _print_status(report: _Status) -> None:
 # -- check -----------------------------------------------------------------------
 
 
-@dataclass
-class _Check:
-    """What ``check`` found: problems (exit 1) and warnings (exit 0)."""
-
-    problems: list[dict[str, str]] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    jobs: int = 0
-    backend: str | None = None
-    connected: bool = False
-    unreachable: bool = False
-
-    def problem(self, where: str, message: str) -> None:
-        self.problems.append({"where": where, "message": _masked(message)})
-
-
 @anarchon.command()
 @click.option(
     "--connect",
@@ -743,7 +658,7 @@ def check(ctx: click.Context, connect: bool, as_json: bool) -> None:
     setting and the fix. Exit 0 when all is valid, 1 on any problem, 3 when
     --connect finds the backend unreachable. For CI and deploy hooks.
     """
-    result = _run_check(_app(ctx), ctx.meta.get("anarchon.schedule"), connect)
+    result = run_check(_app(ctx), ctx.meta.get("anarchon.schedule"), connect)
     if as_json:
         click.echo(json.dumps({"ok": not result.problems, **asdict(result)}))
     else:
@@ -754,179 +669,7 @@ def check(ctx: click.Context, connect: bool, as_json: bool) -> None:
         raise click.exceptions.Exit(EXIT_PROBLEM)
 
 
-def _run_check(app: Any, schedule_filename: str | None, connect: bool) -> _Check:
-    """Every start-up check beat makes, each problem recorded, none raised."""
-    result = _Check()
-    try:
-        settings: Settings | None = Settings.from_app(app, schedule_filename=schedule_filename)
-    except ConfigurationError as exc:
-        result.problem("settings", str(exc))
-        settings = None
-    for where, validate in (
-        ("anarchon_registry_ttl", registry_ttl),
-        ("anarchon_metrics_port", metrics_config),
-    ):
-        try:
-            validate(app.conf)
-        except ConfigurationError as exc:
-            result.problem(where, str(exc))
-    try:
-        zone = app_zone(app)
-    except ConfigurationError as exc:
-        result.problem("timezone", str(exc))
-        result.warnings.append("jobs were not checked: Celery cannot build them without a zone")
-        jobs: dict[str, Job] = {}
-    else:
-        jobs = _check_jobs(app, settings, zone, result)
-    result.jobs = len(jobs)
-    if settings is None:
-        _check_backend_url(app, result)
-        return result
-    backend = _check_backend(app, settings, schedule_filename, jobs, result)
-    if backend is not None and connect:
-        _check_connect(backend, settings, result)
-    return result
-
-
-def _check_jobs(
-    app: Any, settings: Settings | None, zone: ZoneInfo, result: _Check
-) -> dict[str, Job]:
-    """Build each entry's job on its own, so that one bad entry does not
-    hide the next; with broken global settings, against the defaults."""
-    entries = _check_entries(app, result)
-    if settings is None:
-        result.warnings.append(
-            "jobs were checked with the default anarchon_* settings until the settings "
-            "above are fixed"
-        )
-    job_settings = settings or Settings.from_app(_DefaultsOnly(app))
-    jobs: dict[str, Job] = {}
-    for name, entry in entries.items():
-        try:
-            jobs.update(build_jobs({name: entry}, job_settings, zone))
-        except ConfigurationError as exc:
-            result.problem(f"beat_schedule[{name!r}]", str(exc))
-        except Exception as exc:  # a schedule object that fails in its own way
-            result.problem(f"beat_schedule[{name!r}]", f"{type(exc).__name__}: {exc}")
-    return jobs
-
-
-class _DefaultsOnly:
-    """An app stand-in whose ``anarchon_*`` settings are all unset, so jobs
-    can still be checked when the global settings are broken."""
-
-    def __init__(self, app: Any) -> None:
-        self.conf = {
-            key: value for key, value in app.conf.items() if not key.startswith("anarchon_")
-        }
-
-
-def _check_entries(app: Any, result: _Check) -> dict[str, Entry]:
-    """Each ``beat_schedule`` entry as the scheduler builds it; problems
-    recorded for entries that cannot be built."""
-    schedule = app.conf.beat_schedule or {}
-    entries: dict[str, Entry] = {}
-    allowed = ", ".join(sorted(ENTRY_KEYS))
-    for name, spec in schedule.items():
-        where = f"beat_schedule[{name!r}]"
-        if not isinstance(spec, Mapping):
-            result.problem(where, f"{where} must be a dict of {allowed}; got {spec!r}.")
-            continue
-        unknown = sorted(set(spec) - ENTRY_KEYS)
-        meant = set()  # keys the typos above probably meant
-        for key in unknown:
-            close = difflib.get_close_matches(key, ENTRY_KEYS, n=1)
-            meant.update(close)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            result.problem(where, f"{where}: unknown key {key!r}.{hint} Allowed: {allowed}.")
-        missing = [
-            key for key in ("task", "schedule") if spec.get(key) is None and key not in meant
-        ]
-        for key in missing:
-            result.problem(where, f"{where}: no {key!r}; every entry needs a task and a schedule.")
-        if unknown or missing:
-            continue
-        try:
-            entries[name] = Entry(**dict(spec, name=name, app=app))
-        except ConfigurationError as exc:
-            result.problem(where, str(exc))
-        except Exception as exc:
-            result.problem(where, f"{where}: {type(exc).__name__}: {exc}")
-    return entries
-
-
-def _check_backend(
-    app: Any,
-    settings: Settings,
-    schedule_filename: str | None,
-    jobs: Mapping[str, Job],
-    result: _Check,
-) -> Backend | None:
-    """Build the backend as beat would (no connection) and check each job
-    against what it supports. Uses the scheduler's own start-up checks so
-    that ``check`` refuses exactly what beat refuses."""
-    try:
-        backend = backend_from_url(
-            settings.backend,
-            instance="anarchon-check",
-            options=settings.effective_backend_options(),
-            client=settings.backend_client,
-        )
-    except ConfigurationError as exc:
-        result.problem("anarchon_backend", str(exc))
-        return None
-    result.backend = backend.describe()
-    for job in jobs.values():
-        try:
-            check_backend_supports(backend, settings, job)
-        except ConfigurationError as exc:
-            result.problem(f"beat_schedule[{job.name!r}]", str(exc))
-    if getattr(backend, "kind", None) == "sqlite":
-        result.warnings.append(
-            f"claims are kept in a local SQLite file ({backend.describe()}): instances on "
-            "other hosts do not see them. To run beat on several hosts, set anarchon_backend "
-            "to a shared Redis, PostgreSQL, MySQL or RabbitMQ URL."
-        )
-    return backend
-
-
-def _check_backend_url(app: Any, result: _Check) -> None:
-    """Check the backend URL and options alone (when other settings are
-    broken): the scheme is known, its driver installed, its options valid."""
-    url = app.conf.get("anarchon_backend")
-    options = app.conf.get("anarchon_backend_options") or {}
-    if not isinstance(url, str) or not url or not isinstance(options, Mapping):
-        return
-    try:
-        result.backend = backend_from_url(
-            url, instance="anarchon-check", options=dict(options)
-        ).describe()
-    except ConfigurationError as exc:
-        result.problem("anarchon_backend", str(exc))
-
-
-def _check_connect(backend: Backend, settings: Settings, result: _Check) -> None:
-    try:
-        probe = _probe(backend)
-    except BackendUnavailable as exc:
-        result.unreachable = True
-        result.problem("anarchon_backend", f"unreachable: {_one_line(exc)}")
-        return
-    except ConfigurationError as exc:
-        result.problem("anarchon_backend", str(exc))
-        return
-    finally:
-        backend.close()
-    result.connected = True
-    offset = probe.host_offset_ms
-    if offset is not None and abs(offset) > settings.max_skew * 1000:
-        result.warnings.append(
-            f"this host's clock is {offset / 1000:+.1f}s off the backend's, more than "
-            f"anarchon_max_skew={settings.max_skew:g}s: sync it (NTP) before running beat here."
-        )
-
-
-def _print_check(result: _Check, connect: bool) -> None:
+def _print_check(result: CheckResult, connect: bool) -> None:
     if result.backend is None:
         backend = "not built: configuration error (below)"
     elif result.connected:

@@ -22,16 +22,10 @@ from typing import Any
 
 from .backends import backend_from_url
 from .backends.base import Backend, InstanceInfo, RunRecord, State
+from .beat.registry import new_instance_id
 from .exceptions import ConfigurationError
-from .scheduler import (
-    Entry,
-    Job,
-    app_zone,
-    build_jobs,
-    manual_task_id,
-    new_instance_id,
-    send_slot,
-)
+from .message import manual_task_id, send_slot
+from .model import Entry, Job, app_zone, build_jobs
 from .settings import Settings
 
 __all__ = ["Control", "RunNowResult"]

@@ -33,8 +33,8 @@ app.conf.update(
     beat_max_loop_interval=1,
     timezone="UTC",
     anarchon_history_size=1000,
-    # A first start sends the slots of the last max_late seconds (DESIGN
-    # section 2); a short one keeps that backlog small in a 20 s demo.
+    # A first start sends the slots of the last max_late seconds (docs/scheduling.md,
+    # "Start-up"); a short one keeps that backlog small in a 20 s demo.
     anarchon_max_late=10,
     beat_schedule={
         "every-second": {"task": "demo.record", "schedule": 1.0},

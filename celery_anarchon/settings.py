@@ -20,6 +20,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from .exceptions import ConfigurationError
+from .times import seconds
 
 __all__ = ["JobOptions", "Settings", "OVERLAP_POLICIES", "CATCH_UP_POLICIES"]
 
@@ -49,25 +50,6 @@ JOB_KEYS = frozenset(
 #: runner takes a dead owner's slot over well within the default ``max_late``
 #: of 60 s.
 DEFAULT_LEASE_TTL = 30.0
-
-
-def seconds(value: Any, *, setting: str, job: str | None = None) -> float:
-    """``value`` (number of seconds or timedelta) as float seconds >= 0.
-
-    Raises:
-        ConfigurationError: not a number or timedelta, or negative.
-    """
-    if isinstance(value, timedelta):
-        result = value.total_seconds()
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        result = float(value)
-    else:
-        raise ConfigurationError(
-            f"{_where(job)}{setting} must be a number of seconds or a timedelta, got {value!r}."
-        )
-    if result < 0:
-        raise ConfigurationError(f"{_where(job)}{setting} must not be negative, got {value!r}.")
-    return result
 
 
 def _where(job: str | None) -> str:
@@ -161,9 +143,6 @@ class Settings:
             checked (backend unavailable), discard the delivery (True) or
             run it and log (False, the default); see
             :mod:`celery_anarchon.worker`.
-        test_send_delay: FOR TESTS ONLY (fault injection): seconds slept
-            between winning a claim and sending it, to widen the window in
-            which a test kills or freezes the owner. Never set in production.
     """
 
     backend: str | None
@@ -174,7 +153,6 @@ class Settings:
     allow_eviction: bool
     explicit: frozenset[str] = field(default_factory=frozenset)
     worker_strict: bool = False
-    test_send_delay: float = 0.0
 
     @classmethod
     def from_app(cls, app: Any, *, schedule_filename: str | None = None) -> Settings:
@@ -241,9 +219,6 @@ class Settings:
             allow_eviction=flag(get("allow_eviction", False), setting="anarchon_allow_eviction"),
             explicit=explicit,
             worker_strict=flag(get("worker_strict", False), setting="anarchon_worker_strict"),
-            test_send_delay=seconds(
-                get("test_send_delay", 0.0), setting="anarchon_test_send_delay"
-            ),
         )
 
     def effective_backend_options(self) -> dict[str, Any]:
@@ -337,7 +312,6 @@ KNOWN_SETTINGS = frozenset(
         "anarchon_metrics_port",
         "anarchon_metrics_addr",
         "anarchon_worker_strict",
-        "anarchon_test_send_delay",
     }
 )
 

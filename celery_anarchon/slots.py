@@ -3,9 +3,9 @@
 A *slot* is one job at one scheduled fire time, identified by the job name and
 the fire time in integer milliseconds since the Unix epoch (UTC). Every
 scheduler instance computes slots from the schedule alone, never from its own
-``last_run_at`` or start time, so every host and every restart agree (DESIGN
-section 2). This module is pure time arithmetic: no I/O, and it never reads a
-clock.
+``last_run_at`` or start time, so every host and every restart agree (see
+docs/how-it-works.md, "Slots"). This module is pure time arithmetic: no I/O,
+and it never reads a clock.
 
 Schedule kinds and their slots:
 
@@ -49,6 +49,7 @@ from celery import schedules
 from croniter import CroniterBadDateError, CroniterError, croniter
 
 from .exceptions import ConfigurationError
+from .times import iso
 
 __all__ = [
     "Slots",
@@ -98,12 +99,6 @@ def to_ms(dt: datetime) -> int:
 def from_ms(ms: int) -> datetime:
     """Integer epoch milliseconds as an aware datetime in UTC."""
     return _EPOCH + timedelta(milliseconds=ms)
-
-
-def _iso(ms: int) -> str:
-    """``1970-01-01T00:00:00Z``, with milliseconds only when there are some."""
-    spec = "milliseconds" if ms % 1000 else "seconds"
-    return from_ms(ms).replace(tzinfo=None).isoformat(timespec=spec) + "Z"
 
 
 def _seconds_text(ms: int) -> str:
@@ -161,7 +156,7 @@ class IntervalSlots:
 
     def describe(self) -> str:
         """``every 60s from 1970-01-01T00:00:00Z``."""
-        return f"every {_seconds_text(self.interval_ms)} from {_iso(self.anchor_ms)}"
+        return f"every {_seconds_text(self.interval_ms)} from {iso(self.anchor_ms, exact=True)}"
 
 
 class OneoffSlots:
@@ -176,7 +171,7 @@ class OneoffSlots:
 
     def describe(self) -> str:
         """``once at 2026-06-01T12:00:00Z``."""
-        return f"once at {_iso(self.at_ms)}"
+        return f"once at {iso(self.at_ms, exact=True)}"
 
 
 class CronSlots:

@@ -20,7 +20,7 @@ are untouched:
 
 * **Start gate.** Before the task body runs, ``mark(claim, RUNNING)`` on the
   claim backend, fenced by the message's token. False means the slot
-  already started (a second publish of one slot: DESIGN section 3) or the
+  already started (a second publish of one slot, see docs/exactly-once.md) or the
   token was superseded by a backup runner: the delivery is discarded, the
   body does not run, a WARNING is logged, and history keeps the first run's
   state. The gate raises :class:`celery.exceptions.Ignore` from the task's
@@ -112,16 +112,18 @@ import socket
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 from celery import signals
 from celery.exceptions import Ignore
 
 from .backends import backend_from_url
-from .backends.base import Backend, Claim, State
+from .backends.base import Backend, Claim, LeaseBackend, State
 from .exceptions import AnarchonError
-from .settings import EXPIRES_NEXT_SLOT, JobOptions, Settings, parse_expires
+from .message import HEADER_JOB, HEADER_SLOT, HEADER_TOKEN, expires_for, message_expiry_ms
+from .settings import Settings
+from .times import iso as _iso
 
 __all__ = [
     "ERROR_MAX_CHARS",
@@ -140,10 +142,6 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-#: Message headers the scheduler sets (DESIGN section 3).
-HEADER_JOB = "anarchon_job"
-HEADER_SLOT = "anarchon_slot"
-HEADER_TOKEN = "anarchon_token"
 
 #: Longest error text recorded for a failed run, characters.
 ERROR_MAX_CHARS = 1000
@@ -215,68 +213,6 @@ def claim_of(request: Any) -> Claim | None:
         )
         return None
     return Claim(job=str(job), slot_ms=slot_ms, won=True, token=token)
-
-
-def expires_for(
-    expires: JobOptions | float | timedelta | str | None, slot_ms: int, next_slot_ms: int | None
-) -> datetime | None:
-    """When the message of one run expires (Celery's ``expires`` option).
-
-    Args:
-        expires: a job's options (their ``expires``), or an ``anarchon_expires``
-            value: None (never), seconds (or a timedelta) counted from the
-            slot's time, or ``'next_slot'``.
-        slot_ms: the run's slot, epoch milliseconds (UTC).
-        next_slot_ms: the job's next slot after ``slot_ms``, epoch
-            milliseconds, or None when there is none.
-    Returns:
-        an aware UTC datetime, or None for no expiry (also for
-        ``'next_slot'`` when there is no next slot).
-    Raises:
-        ConfigurationError: a value that is none of those.
-    """
-    value = expires.expires if isinstance(expires, JobOptions) else expires
-    value = parse_expires(value, setting="anarchon_expires", job=None)
-    if value is None:
-        return None
-    if value == EXPIRES_NEXT_SLOT:
-        return None if next_slot_ms is None else _utc(next_slot_ms)
-    return _utc(slot_ms) + timedelta(seconds=float(value))
-
-
-def message_expiry_ms(
-    option: Any, anarchon_expiry: datetime | None, sent_at_ms: int | None
-) -> int | None:
-    """When a run's message expires, epoch milliseconds (UTC), or None
-    (never, or not known).
-
-    The same precedence as the scheduler's send: the entry's own Celery
-    ``expires`` option wins over ``anarchon_expires``.
-
-    Args:
-        option: the entry's ``options['expires']``: None, seconds counted
-            from the send (Celery's meaning), or an aware datetime; a naive
-            datetime or any other value gives None (its zone is the
-            worker's to judge).
-        anarchon_expiry: the run's ``anarchon_expires`` as an aware
-            datetime (:func:`expires_for`), or None.
-        sent_at_ms: when the run was sent, epoch milliseconds, or None.
-    """
-    if option is None:
-        if anarchon_expiry is None:
-            return None
-        return int(anarchon_expiry.timestamp() * 1000)
-    if isinstance(option, bool):
-        return None
-    if isinstance(option, (int, float)):
-        return None if sent_at_ms is None else sent_at_ms + int(option * 1000)
-    if isinstance(option, datetime) and option.tzinfo is not None:
-        return int(option.timestamp() * 1000)
-    return None
-
-
-def _utc(ms: int) -> datetime:
-    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
 
 
 def error_text(exc: BaseException | None) -> str:
@@ -499,12 +435,16 @@ class WorkerIntegration:
         backend = self.backend()
         if request.retries and not _redelivered(request):
             # A retry of a run that started: running -> running, same token.
-            if backend.extend(claim, lease_ms):
+            if not isinstance(backend, LeaseBackend) or backend.extend(claim, lease_ms):
                 return True
             return backend.mark(claim, State.RUNNING)
         if backend.mark(claim, State.RUNNING):
             return True
-        if getattr(task, "acks_late", False) and backend.extend(claim, lease_ms, restart=True):
+        if (
+            getattr(task, "acks_late", False)
+            and isinstance(backend, LeaseBackend)
+            and backend.extend(claim, lease_ms, restart=True)
+        ):
             logger.warning(
                 "anarchon: restarted %s @ %s (task %s): the run was recorded running but "
                 "its lease expired (the worker that started it stopped), and the task "
@@ -594,7 +534,8 @@ class WorkerIntegration:
             if run not in self._runs:
                 return  # finished meanwhile
         try:
-            if self.backend().extend(run.claim, run.lease_ms):
+            backend = self.backend()
+            if not isinstance(backend, LeaseBackend) or backend.extend(run.claim, run.lease_ms):
                 return
         except Exception as exc:
             logger.warning(
@@ -695,7 +636,9 @@ class WorkerIntegration:
             return
         delay_ms = _retry_delay_ms(getattr(reason, "when", None))
         try:
-            self.backend().extend(run.claim, run.lease_ms + delay_ms)
+            backend = self.backend()
+            if isinstance(backend, LeaseBackend):
+                backend.extend(run.claim, run.lease_ms + delay_ms)
         except Exception as exc:
             logger.warning(
                 "anarchon: could not keep %s @ %s running for its retry: %s",
@@ -923,7 +866,3 @@ def _retry_delay_ms(when: Any) -> int:
     if isinstance(when, (int, float)) and not isinstance(when, bool):
         return max(0, int(when * 1000))
     return 0
-
-
-def _iso(ms: int) -> str:
-    return _utc(ms).isoformat(timespec="milliseconds").replace("+00:00", "Z")

@@ -23,6 +23,7 @@ from typing import Any
 from celery import Celery
 
 from celery_anarchon.worker import install, integration_of
+from tests.beat.support import SEND_DELAY, install_send_delay
 
 #: The jobs every integration test runs unless ITEST_CONF replaces them.
 SCHEDULES = {
@@ -44,7 +45,9 @@ app.conf.update(
         name: {"task": "itest.noop", "schedule": schedule} for name, schedule in SCHEDULES.items()
     },
 )
-app.conf.update(json.loads(os.environ.get("ITEST_CONF", "{}")))
+_conf = json.loads(os.environ.get("ITEST_CONF", "{}"))
+install_send_delay(float(_conf.pop(SEND_DELAY, 0)))  # fault injection, see tests.beat.support
+app.conf.update(_conf)
 install(app)
 
 

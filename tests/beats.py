@@ -229,7 +229,7 @@ class BeatCluster:
 
 def instance_prefix(proc: subprocess.Popen[bytes]) -> str:
     """The start of the instance id of the scheduler in beat process ``proc``
-    (``host:pid:``; see :func:`celery_anarchon.scheduler.new_instance_id`)."""
+    (``host:pid:``; see :func:`celery_anarchon.beat.registry.new_instance_id`)."""
     return f"{socket.gethostname()}:{proc.pid}:"
 
 

@@ -29,7 +29,7 @@ from celery_anarchon.cli import (
     EXIT_USAGE,
     anarchon,
 )
-from celery_anarchon.scheduler import task_id_for
+from celery_anarchon.message import task_id_for
 
 from .beat_app import SCHEDULES
 from .beats import BROKER, REPO, BeatCluster, read_queue

@@ -3,7 +3,7 @@ worker`` processes (prefork pool) on a Redis broker, against Redis, SQLite
 and PostgreSQL claim backends.
 
 The test process plays the scheduler: it claims a slot, marks it sent and
-publishes it with :func:`~celery_anarchon.scheduler.send_slot` (twice, for
+publishes it with :func:`~celery_anarchon.message.send_slot` (twice, for
 a duplicate), then reads the backend's history and what the tasks wrote.
 """
 
@@ -32,7 +32,8 @@ from kombu import Connection
 from celery_anarchon.backends import backend_from_url
 from celery_anarchon.backends.base import Backend, Claim, ClaimRequest, RunRecord, State
 from celery_anarchon.exceptions import ConfigurationError
-from celery_anarchon.scheduler import Entry, send_slot, task_id_for
+from celery_anarchon.message import send_slot, task_id_for
+from celery_anarchon.model import Entry
 from celery_anarchon.settings import Settings
 from celery_anarchon.worker import (
     ERROR_MAX_CHARS,
@@ -336,7 +337,7 @@ def test_a_superseded_token_is_discarded(harness: Harness) -> None:
     runs, whichever comes first."""
     request, first = harness.claim(new_job(), lease_ms=1, sent=False)
     time.sleep(0.05)
-    backup = harness.backend.take_over(request)  # type: ignore[attr-defined]
+    backup = harness.backend.take_over_many([request])[0]  # type: ignore[attr-defined]
     assert backup.won and backup.token == first.token + 1
     path = harness.path()
     harness.send(first, "itest.record", path, "first")

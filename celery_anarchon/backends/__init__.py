@@ -10,6 +10,8 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.util
+import re
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -18,46 +20,86 @@ from kombu.utils.url import maybe_sanitize_url
 from ..exceptions import ConfigurationError
 from .base import Backend
 
-__all__ = ["BACKENDS", "Backend", "backend_from_url", "sanitize_url", "scheme_of"]
+__all__ = [
+    "BACKENDS",
+    "SCHEMES",
+    "Backend",
+    "Scheme",
+    "backend_from_url",
+    "sanitize_url",
+    "scheme_of",
+]
 
-#: URL scheme -> ``"module:Class"`` (relative to this package).
-BACKENDS: dict[str, str] = {
-    "sqlite": "sql:SQLBackend",
-    "postgresql": "sql:SQLBackend",
-    "postgresql+psycopg": "sql:SQLBackend",
-    "postgres": "sql:SQLBackend",
-    "mysql": "sql:SQLBackend",
-    "mysql+pymysql": "sql:SQLBackend",
-    "mariadb": "sql:SQLBackend",
-    "mariadb+pymysql": "sql:SQLBackend",
-    "redis": "redis:RedisBackend",
-    "rediss": "redis:RedisBackend",
-    "redis+sentinel": "redis:RedisBackend",
-    "sentinel": "redis:RedisBackend",
-    "amqp": "rabbitmq:RabbitMQBackend",
-    "amqps": "rabbitmq:RabbitMQBackend",
-    "pyamqp": "rabbitmq:RabbitMQBackend",
+
+@dataclass(frozen=True)
+class Scheme:
+    """What one URL scheme names.
+
+    Attributes:
+        target: the backend class, ``"module:Class"`` relative to this
+            package, imported only when the scheme is used.
+        driver: the Python package the scheme needs besides the backend's
+            own imports (SQLAlchemy imports a database driver only when it
+            connects, so it is checked up front for a clear start-up
+            error), or None.
+        sqlalchemy: SQL schemes only: the SQLAlchemy driver name the URL is
+            given (``postgres://`` becomes ``postgresql+psycopg://``).
+    """
+
+    target: str
+    driver: str | None = None
+    sqlalchemy: str | None = None
+
+
+_SQL = "sql:SQLBackend"
+_REDIS = "redis:RedisBackend"
+_RABBITMQ = "rabbitmq:RabbitMQBackend"
+
+#: Every URL scheme a backend serves: the one table of them.
+SCHEMES: dict[str, Scheme] = {
+    "sqlite": Scheme(_SQL, None, "sqlite"),
+    "postgresql": Scheme(_SQL, "psycopg", "postgresql+psycopg"),
+    "postgresql+psycopg": Scheme(_SQL, "psycopg", "postgresql+psycopg"),
+    "postgres": Scheme(_SQL, "psycopg", "postgresql+psycopg"),
+    "mysql": Scheme(_SQL, "pymysql", "mysql+pymysql"),
+    "mysql+pymysql": Scheme(_SQL, "pymysql", "mysql+pymysql"),
+    "mariadb": Scheme(_SQL, "pymysql", "mysql+pymysql"),
+    "mariadb+pymysql": Scheme(_SQL, "pymysql", "mysql+pymysql"),
+    "redis": Scheme(_REDIS),
+    "rediss": Scheme(_REDIS),
+    "redis+sentinel": Scheme(_REDIS),
+    "sentinel": Scheme(_REDIS),
+    "amqp": Scheme(_RABBITMQ),
+    "amqps": Scheme(_RABBITMQ),
+    "pyamqp": Scheme(_RABBITMQ),
 }
+
+#: URL scheme -> ``"module:Class"`` (relative to this package), from
+#: :data:`SCHEMES`.
+BACKENDS: dict[str, str] = {name: scheme.target for name, scheme in SCHEMES.items()}
 
 #: Extra to install for a driver that is missing, by module name.
 _EXTRAS = {"psycopg": "postgres", "pymysql": "mysql"}
 
-#: The database driver each SQL scheme needs (imported by SQLAlchemy only
-#: when it connects, so checked up front for a clear start-up error).
-_DRIVERS = {
-    "postgresql": "psycopg",
-    "postgresql+psycopg": "psycopg",
-    "postgres": "psycopg",
-    "mysql": "pymysql",
-    "mysql+pymysql": "pymysql",
-    "mariadb": "pymysql",
-    "mariadb+pymysql": "pymysql",
-}
+#: A URL's ``user:password@`` part, wherever a URL appears in a text.
+_CREDENTIALS = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^\s:/@;,]*:)[^\s@]+@")
 
 
-def sanitize_url(url: str) -> str:
-    """``url`` with its password masked, safe to log."""
-    return str(maybe_sanitize_url(url))
+def sanitize_url(text: str) -> str:
+    """``text`` with every URL password replaced by ``**``, safe to log: the
+    one masking helper, for every log line and error that shows a URL.
+
+    ``text`` may be one URL (masked as kombu's ``sanitize_url`` does), a URL
+    kombu cannot parse (several Sentinel hosts, a malformed one) or a
+    message that quotes URLs; those have each ``user:password@`` part
+    masked in place.
+    """
+    if "://" in text and not any(c in text for c in " \t\n;,"):
+        try:
+            return str(maybe_sanitize_url(text))
+        except ValueError:
+            pass
+    return _CREDENTIALS.sub(r"\1**@", text)
 
 
 def scheme_of(url: str) -> str:
@@ -92,7 +134,7 @@ def backend_class(url: str) -> type[Backend]:
         raise ConfigurationError(
             f"anarchon_backend {sanitize_url(url)!r} needs the {missing!r} package: {fix}"
         ) from exc
-    driver = _DRIVERS.get(scheme)
+    driver = SCHEMES[scheme].driver
     if driver is not None and importlib.util.find_spec(driver) is None:
         raise ConfigurationError(
             f"anarchon_backend {sanitize_url(url)!r} needs the {driver!r} package: "

@@ -1,34 +1,40 @@
-"""The claim backend contract.
+"""The backend contract: what every backend does, and what a lease backend
+does besides.
 
-Every backend (SQL, Redis, RabbitMQ) implements :class:`Backend`. The
-contract is small and each call is atomic on the backend:
+:class:`Backend` is the claim contract every backend (SQL, Redis, RabbitMQ)
+implements. It is small, batched, and each call is atomic on the backend:
 
-* :meth:`Backend.claim` -- take slots, one winner per ``(job, slot)``, in one
-  batch;
-* :meth:`Backend.mark` -- move a claimed run to a later state (``sent``,
-  ``running``, ``succeeded``, ``failed``, ``lost``), checked against the
+* :meth:`Backend.claim` -- take slots, one winner per ``(job, slot)``;
+* :meth:`Backend.mark_many` (and :meth:`Backend.mark` for one claim, the
+  worker's start gate) -- move claimed runs to a later state (``sent``,
+  ``running``, ``succeeded``, ``failed``, ``lost``), checked against each
   claim's fencing token;
-* :meth:`Backend.extend` -- heartbeat a running run's lease (worker);
-* :meth:`Backend.record_if_absent` -- write ``missed`` or ``skipped`` for a
-  slot nobody acted on;
-* :meth:`Backend.release` -- give back claimed, unsent slots (hand-over);
-* :meth:`Backend.mark_many`, :meth:`Backend.take_over_many`,
-  :meth:`Backend.holding`, :meth:`Backend.record_many_if_absent` -- the
-  scheduler's batched calls: record ``sent`` for many claims, check many
-  expired leases, read whether claims are still held, record many missed
-  slots (defaults built on the single calls);
-* :meth:`Backend.history`, :meth:`Backend.last_run` -- read per-job history;
-* :meth:`Backend.claim_manual` -- the claim behind ``run_now``.
+* :meth:`Backend.record_many_if_absent` -- write ``missed`` or ``skipped``
+  for slots nobody acted on;
+* :meth:`Backend.history`, :meth:`Backend.last_run`,
+  :meth:`Backend.last_slots` -- read per-job history;
+* :meth:`Backend.claim_manual` -- the claim behind ``run_now``;
+* :meth:`Backend.register` and the other registry calls -- the live
+  instances.
 
-Times crossing the contract are integer milliseconds since the Unix epoch
-(UTC). Durations are integer milliseconds and say so in their names (``_ms``).
+:class:`LeaseBackend` (SQL, Redis) keeps an owner, a fencing token and a
+lease expiry per claim, judges time by the backend's own clock, and refuses
+a slot outside the claim window ``[now - window_before_ms, now +
+window_after_ms]``. Its lease operations are apart from the claim contract:
 
-Backends come in two kinds (DESIGN section 4). *Lease* backends
-(``supports_leases = True``: SQL, Redis) keep an owner, a fencing token and a
-lease expiry per claim, judge time by the backend's own clock, and refuse a
-slot outside the claim window ``[now - window_before_ms, now +
-window_after_ms]``. *Claim-only* backends (RabbitMQ) give one winner per slot
-and nothing more.
+* :meth:`LeaseBackend.take_over_many` -- take over slots whose lease ended
+  (backup runner);
+* :meth:`LeaseBackend.release` -- give back claimed, unsent slots
+  (hand-over);
+* :meth:`LeaseBackend.extend` -- heartbeat a running run's lease (worker);
+* :meth:`LeaseBackend.holding` -- read whether claims are still held.
+
+A claim-only backend (RabbitMQ) gives one winner per slot and nothing more.
+
+The state rules (which timestamp each state stamps, which moves go forward)
+live once, on :class:`State`. Times crossing the contract are integer
+milliseconds since the Unix epoch (UTC). Durations are integer milliseconds
+and say so in their names (``_ms``).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import dataclasses
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, ClassVar
 
 __all__ = [
@@ -46,14 +53,18 @@ __all__ = [
     "Claim",
     "ClaimRequest",
     "InstanceInfo",
+    "LeaseBackend",
     "RunRecord",
     "State",
+    "FINAL_RANK",
+    "FINISHED_STATES",
     "SENT_STATES",
 ]
 
 
 class State(str, enum.Enum):
-    """States of a run in history (DESIGN section 5)."""
+    """States of a run in history (``docs/how-it-works.md``, "Leases and
+    fencing tokens")."""
 
     #: Held by an instance, not yet sent.
     CLAIMED = "claimed"
@@ -77,6 +88,55 @@ class State(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    # The state rules, here once for every backend (the SQL statements, the
+    # Redis Lua scripts, which get RANK rendered from :attr:`rank`, and the
+    # RabbitMQ history fold all read them).
+
+    @property
+    def stamp(self) -> str | None:
+        """The :class:`RunRecord` timestamp a move to this state sets to the
+        backend's now: ``sent_at_ms`` for SENT, ``started_at_ms`` for
+        RUNNING, ``finished_at_ms`` for SUCCEEDED, FAILED and LOST; None for
+        the states :meth:`Backend.mark` never writes."""
+        return _STAMPS.get(self)
+
+    @property
+    def rank(self) -> int:
+        """This state's place in the forward order of a run: ``claimed`` 0 <
+        ``sent`` 1 < ``running`` 2 < 3 for every state nothing moves on from
+        (``succeeded``, ``failed``, ``lost``; and ``superseded``,
+        ``missed``, ``skipped``, which only take-over and the miss records
+        write). A mark moves a run only to a higher rank."""
+        return _RANKS.get(self, FINAL_RANK)
+
+    @property
+    def moves_from(self) -> frozenset[State]:
+        """The states :meth:`Backend.mark` moves a run to this state from:
+        those of a lower rank that a mark may touch (``claimed``, ``sent``,
+        ``running``); for SENT also ``sent`` and the finished states, where
+        it is a late ``sent`` that only fills in ``sent_at_ms`` and
+        ``task_id`` and keeps the state. Empty for the states a mark never
+        writes (``claimed``, ``missed``, ``skipped``, ``superseded``)."""
+        if self not in _STAMPS:
+            return frozenset()
+        markable = frozenset(_RANKS) | FINISHED_STATES
+        if self is State.SENT:
+            return markable
+        return frozenset(s for s in markable if s.rank < self.rank)
+
+
+#: :attr:`State.rank` of the states a run moves forward through; every other
+#: state has :data:`FINAL_RANK`.
+_RANKS = {State.CLAIMED: 0, State.SENT: 1, State.RUNNING: 2}
+#: The rank of a state nothing moves on from.
+FINAL_RANK = 3
+#: States that end a run a worker or the scheduler finished.
+FINISHED_STATES = frozenset({State.SUCCEEDED, State.FAILED, State.LOST})
+_STAMPS = {
+    State.SENT: "sent_at_ms",
+    State.RUNNING: "started_at_ms",
+    **dict.fromkeys(FINISHED_STATES, "finished_at_ms"),
+}
 
 #: States of a run that really went to the broker.
 SENT_STATES = frozenset({State.SENT, State.RUNNING, State.SUCCEEDED, State.FAILED})
@@ -115,8 +175,7 @@ class ClaimRequest:
 @dataclass(frozen=True)
 class AbsentRecord:
     """One ``missed`` or ``skipped`` record to write where the slot has none
-    (:meth:`Backend.record_many_if_absent`); the fields are the arguments of
-    :meth:`Backend.record_if_absent`.
+    (:meth:`Backend.record_many_if_absent`).
 
     Attributes:
         job: the job's name.
@@ -150,7 +209,7 @@ class Claim:
             takeover of the same slot; a string on claim-only backends);
             None when lost.
         reason: why the claim was lost: ``"taken"`` (another instance holds
-            or held it), ``"held"`` (:meth:`Backend.take_over` only: the
+            or held it), ``"held"`` (:meth:`Backend.take_over_many` only: the
             slot is still ``claimed`` and its lease has not ended),
             ``"window"`` (outside the claim window), ``"unknown"`` (no
             answer: the outcome cannot be known), or ``""``.
@@ -262,8 +321,9 @@ class Backend(abc.ABC):
     time; never another driver exception.
     """
 
-    #: True for lease backends (owner, fencing token, expiry, backend clock).
-    supports_leases: ClassVar[bool] = True
+    #: True for lease backends (:class:`LeaseBackend`: owner, fencing token,
+    #: expiry, backend clock); a plain :class:`Backend` is claim-only.
+    supports_leases: ClassVar[bool] = False
 
     #: Options this backend accepts (``anarchon_backend_options`` keys and URL
     #: query parameters); anything else is a ConfigurationError.
@@ -349,71 +409,6 @@ class Backend(abc.ABC):
             BackendUnavailable: no answer.
         """
 
-    def extend(self, claim: Claim, lease_ms: int, *, restart: bool = False) -> bool:
-        """Extend the lease of a running run (the worker's heartbeat), fenced
-        by ``claim.token``: ``lease_until_ms`` becomes the backend's now plus
-        ``lease_ms`` (milliseconds), only while the run is ``running``.
-
-        With ``restart=True`` the call is the start gate of a redelivered
-        message (``acks_late``) whose run is recorded ``running``: it writes
-        only when that lease has already expired by the backend's clock (the
-        worker that started the run stopped heartbeating: it died), and sets
-        ``started_at_ms`` to now as well. Two redeliveries racing: one wins.
-
-        Returns:
-            True when written. False when the slot's current record does not
-            carry the token, is not ``running``, or (``restart``) its lease
-            has not expired. Claim-only backends keep no lease: a heartbeat
-            returns True, a restart False.
-        Raises:
-            BackendUnavailable: no answer.
-        """
-        return not restart
-
-    @abc.abstractmethod
-    def record_if_absent(
-        self,
-        job: str,
-        slot_ms: int,
-        state: State,
-        *,
-        error: str | None = None,
-        history_size: int = 100,
-        history_ttl_ms: int = 7 * 24 * 3600 * 1000,
-        keep_until_ms: int = 0,
-    ) -> bool:
-        """Record ``state`` (``missed`` or ``skipped``) for a slot that has no
-        record yet. The record also closes the slot: it can no longer be
-        claimed.
-
-        Returns:
-            True when written; False when the slot already had a record
-            (another instance claimed it, so it was not missed).
-        Raises:
-            BackendUnavailable: no answer.
-        """
-
-    def take_over(self, request: ClaimRequest) -> Claim:
-        """Take a slot over from an owner whose lease ended (backup runner).
-
-        Atomic on the backend: only a scheduled run still ``claimed`` whose
-        ``lease_until_ms`` is before the backend's now is taken; its record
-        becomes ``superseded`` and this instance holds the slot with the next
-        fencing token. Inside the claim window only. A slot with no record is
-        claimed as by :meth:`claim`. Claim-only backends never take over.
-
-        Returns:
-            won with the new token, or lost: ``"held"`` when the slot is
-            still ``claimed`` with its lease running (its holder, maybe
-            another backup that took it over first, may still send it; the
-            scheduler checks again when that lease ends), ``"taken"`` when
-            it was sent (or moved further, or is a manual run),
-            ``"window"`` outside the claim window.
-        Raises:
-            BackendUnavailable: no answer.
-        """
-        return Claim(request.job, request.slot_ms, won=False, reason="taken")
-
     def mark_many(
         self,
         claims: Sequence[Claim],
@@ -449,94 +444,22 @@ class Backend(abc.ABC):
             for claim, task_id in zip(claims, ids, strict=True)
         ]
 
+    @abc.abstractmethod
     def record_many_if_absent(self, records: Sequence[AbsentRecord]) -> list[bool]:
-        """:meth:`record_if_absent` for many slots at once (the misses of one
-        scheduler round, or of one job's gap), with the same rules.
-
-        The default calls :meth:`record_if_absent` for each record; backends
-        override it with one round trip (a pipeline, a transaction, one
-        batch of gate claims).
+        """Record ``missed`` or ``skipped`` for each slot of ``records`` that
+        has no record yet (the misses of one scheduler round, or of one
+        job's gap), in one round trip (a pipeline, a transaction, one batch
+        of gate claims). A record also closes its slot: it can no longer be
+        claimed.
 
         Returns:
             one answer per record, in order: True when written, False when
-            the slot already had a record.
+            the slot already had a record (another instance claimed it, so
+            it was not missed).
         Raises:
             BackendUnavailable: no answer, or not every record was answered;
                 some may have been written then, and the caller may send the
                 whole call again (a written slot then answers False).
-        """
-        return [
-            self.record_if_absent(
-                r.job,
-                r.slot_ms,
-                r.state,
-                error=r.error,
-                history_size=r.history_size,
-                history_ttl_ms=r.history_ttl_ms,
-                keep_until_ms=r.keep_until_ms,
-            )
-            for r in records
-        ]
-
-    def take_over_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
-        """:meth:`take_over` for many slots at once (the backup runner's
-        checks due in one tick), with the same rules and answers. Slots
-        already sent are answered lost (``"taken"``) from one batched read.
-
-        The default calls :meth:`take_over` for each request.
-
-        Returns:
-            one :class:`Claim` per request, in request order; ``"unknown"``
-            for a request the backend answered with an error while it
-            answered others.
-        Raises:
-            BackendUnavailable: no answer.
-        """
-        return [self.take_over(request) for request in requests]
-
-    def holding(self, claims: Sequence[Claim], margin_ms: int = 0) -> list[bool]:
-        """Whether each won claim is still held, in one batched read: the
-        slot's current record carries the claim's token, is still
-        ``claimed``, and its lease ends more than ``margin_ms``
-        (milliseconds) after the backend's now. The scheduler asks before
-        publishing a claim it has held for more than half its lease.
-
-        The default reads each job's history once and the backend's clock
-        once. Claim-only backends keep no lease: every won claim is held.
-
-        Returns:
-            one answer per claim, in order (False for a lost claim).
-        Raises:
-            BackendUnavailable: no answer.
-        """
-        if not self.supports_leases:
-            return [claim.won for claim in claims]
-        now = self.now_ms()
-        current: dict[tuple[str, int], RunRecord] = {}
-        for job in {claim.job for claim in claims if claim.won}:
-            for record in self.history(job):
-                if record.manual_key is None:
-                    current.setdefault((job, record.slot_ms), record)
-        answers = []
-        for claim in claims:
-            found = current.get((claim.job, claim.slot_ms))
-            answers.append(
-                claim.won
-                and found is not None
-                and found.token == claim.token
-                and found.state is State.CLAIMED
-                and (found.lease_until_ms or 0) > now + margin_ms
-            )
-        return answers
-
-    def release(self, claims: Sequence[Claim]) -> None:  # noqa: B027
-        """Give back won claims that were not sent (hand-over on shutdown),
-        so another instance can claim them at once. Fenced by token; a claim
-        already sent is left alone. Claim-only backends cannot release and
-        do nothing.
-
-        Raises:
-            BackendUnavailable: no answer.
         """
 
     @abc.abstractmethod
@@ -647,6 +570,109 @@ class Backend(abc.ABC):
         work out of its claims (off the claim path). Never raises. Default:
         nothing."""
 
+    def check_job(  # noqa: B027
+        self,
+        job: str,
+        *,
+        jitter_s: float | timedelta,
+        max_late_s: float | timedelta,
+        max_skew_s: float | timedelta,
+    ) -> None:
+        """Refuse, at start-up and in ``check``, a job this backend cannot
+        keep to one run per slot. Durations in seconds (or timedelta).
+
+        The default accepts every job: a lease backend keeps a claim record
+        at least until ``keep_until_ms`` of each request. RabbitMQ refuses a
+        job whose ``jitter + max_late + max_skew`` reaches its ``slot_ttl``.
+
+        Raises:
+            ConfigurationError: the job cannot be kept to one run per slot,
+                naming the job, the values and the fix.
+        """
+
     def describe(self) -> str:
         """The backend for logs and banners, credentials masked."""
         return type(self).__name__
+
+
+class LeaseBackend(Backend):
+    """A backend that keeps a lease per claim (SQL, Redis): an owner, a
+    fencing token and a lease expiry, judged by the backend's own clock.
+
+    On top of the claim contract of :class:`Backend` it takes slots over
+    from owners whose lease ended, gives unsent claims back, extends a
+    running run's lease and reads whether claims are still held. A
+    claim-only backend (RabbitMQ) has none of these: callers check
+    ``isinstance(backend, LeaseBackend)`` (or :attr:`supports_leases`) first.
+    """
+
+    supports_leases: ClassVar[bool] = True
+
+    @abc.abstractmethod
+    def take_over_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
+        """Take slots over from owners whose lease ended (the backup
+        runner's checks due in one tick), in one round trip.
+
+        Atomic on the backend, per slot: only a scheduled run still
+        ``claimed`` whose ``lease_until_ms`` is before the backend's now is
+        taken; its record becomes ``superseded`` and this instance holds the
+        slot with the next fencing token. Inside the claim window only. A
+        slot with no record is claimed as by :meth:`claim`.
+
+        Returns:
+            one :class:`Claim` per request, in request order: won with the
+            new token, or lost: ``"held"`` when the slot is still
+            ``claimed`` with its lease running (its holder, maybe another
+            backup that took it over first, may still send it; the scheduler
+            checks again when that lease ends), ``"taken"`` when it was sent
+            (or moved further, or is a manual run), ``"window"`` outside the
+            claim window, ``"unknown"`` for a request the backend answered
+            with an error while it answered others.
+        Raises:
+            BackendUnavailable: no answer.
+        """
+
+    @abc.abstractmethod
+    def release(self, claims: Sequence[Claim]) -> None:
+        """Give back won claims that were not sent (hand-over on shutdown,
+        or a batch that could not be sent in time), so another instance can
+        claim them at once. Fenced by token; a claim already sent is left
+        alone.
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+
+    @abc.abstractmethod
+    def extend(self, claim: Claim, lease_ms: int, *, restart: bool = False) -> bool:
+        """Extend the lease of a running run (the worker's heartbeat), fenced
+        by ``claim.token``: ``lease_until_ms`` becomes the backend's now plus
+        ``lease_ms`` (milliseconds), only while the run is ``running``.
+
+        With ``restart=True`` the call is the start gate of a redelivered
+        message (``acks_late``) whose run is recorded ``running``: it writes
+        only when that lease has already expired by the backend's clock (the
+        worker that started the run stopped heartbeating: it died), and sets
+        ``started_at_ms`` to now as well. Two redeliveries racing: one wins.
+
+        Returns:
+            True when written. False when the slot's current record does not
+            carry the token, is not ``running``, or (``restart``) its lease
+            has not expired.
+        Raises:
+            BackendUnavailable: no answer.
+        """
+
+    @abc.abstractmethod
+    def holding(self, claims: Sequence[Claim], margin_ms: int = 0) -> list[bool]:
+        """Whether each won claim is still held, in one batched read: the
+        slot's current record carries the claim's token, is still
+        ``claimed``, and its lease ends more than ``margin_ms``
+        (milliseconds) after the backend's now. The scheduler asks before
+        publishing a claim whose send stalled.
+
+        Returns:
+            one answer per claim, in order (False for a lost claim).
+        Raises:
+            BackendUnavailable: no answer.
+        """

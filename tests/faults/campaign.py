@@ -4,7 +4,7 @@ A row is one scenario on one backend. Its checks (issue 7, "Expected"):
 
 * ``dup-exec``: no slot executed twice;
 * ``dup-publish``: no slot published twice, except slots a backup runner
-  took over (a ``superseded`` record: the window DESIGN section 3 names);
+  took over (a ``superseded`` record: the window docs/exactly-once.md names);
 * ``miss-unrecorded``: every due slot that never ran was never published
   and has a ``missed``, ``lost`` or ``skipped`` record saying why;
 * ``missed``: no due slot missed at all, unless the scenario kept the
@@ -97,7 +97,7 @@ def judge(outcome: Outcome, misses_allowed: bool, backend: str = "") -> list[str
     if counts["missed"] != counts["missed_recorded"]:
         failed.append("miss-unrecorded")
     # A miss recorded lost because its publish was in doubt is the documented
-    # price of never sending twice (DESIGN section 3), allowed in every row.
+    # price of never sending twice (docs/exactly-once.md), allowed in every row.
     if counts["missed"] - counts.get("missed_in_doubt", 0) and not misses_allowed:
         failed.append("missed")
     return failed

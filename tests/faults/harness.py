@@ -44,7 +44,7 @@ from ..conftest import MYSQL_URL, POSTGRES_URL, REDIS_URL
 from .app import SCHEDULES
 
 #: The error of a slot recorded lost because its publish failed in doubt
-#: (celery_anarchon.scheduler, ``Scheduler._on_publish_in_doubt``).
+#: (celery_anarchon.beat.publisher, ``Publisher._on_publish_in_doubt``).
 IN_DOUBT = "may have reached the broker"
 
 #: Backends the campaign knows, lease backends first.
@@ -221,7 +221,7 @@ class Outcome:
         ``lost`` or ``skipped`` record). On a claim-only backend a
         ``claimed`` record that was never sent counts as saying why: its
         claimer died between claim and send, which nothing can record
-        afterwards (DESIGN section 4, the documented price)."""
+        afterwards (docs/exactly-once.md, "What can still go wrong, per backend")."""
         said = MISS_STATES | ({State.CLAIMED} if self.claim_only else set())
         return [
             s
@@ -233,7 +233,7 @@ class Outcome:
     def in_doubt_misses(self) -> list[tuple[str, int]]:
         """Missed slots recorded ``lost`` because their publish failed after
         the message may have reached Celery's broker (a connection reset
-        mid-publish). DESIGN section 3: any doubt counts as lost and is never
+        mid-publish). docs/exactly-once.md: any doubt counts as lost and is never
         sent a second time, so no backup may take such a slot over; the miss
         is on the record with that reason, the documented price."""
         return [
@@ -245,7 +245,7 @@ class Outcome:
 
     def superseded_slots(self) -> set[tuple[str, int]]:
         """Slots a backup runner took over (the window where a second
-        publish is allowed, DESIGN section 3)."""
+        publish is allowed, docs/exactly-once.md)."""
         return {
             (r.job, r.slot_ms)
             for records in self.history.values()

@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from celery_anarchon.scheduler import BACKOFF_MAX, HEARTBEAT_INTERVAL
+from celery_anarchon.beat.link import BACKOFF_MAX
+from celery_anarchon.beat.registry import HEARTBEAT_INTERVAL
 
+from ..beat.support import SEND_DELAY
 from ..beats import BROKER, instance_prefix
 from .harness import (
     LEASE_BACKENDS,
@@ -150,8 +152,8 @@ def kill9_loop(ctx: Ctx) -> Outcome:
 @scenario("kill-9 in send", misses_allowed=CLAIM_ONLY)
 def kill9_in_send(ctx: Ctx) -> Outcome:
     """As the kill-9 loop, with a 0.5 s pause between each won claim and its
-    send (``anarchon_test_send_delay``) so kills land between claim and send."""
-    with ctx.run(conf={"anarchon_test_send_delay": 0.5}) as run:
+    send (``tests.beat.support.SEND_DELAY``) so kills land between claim and send."""
+    with ctx.run(conf={SEND_DELAY: 0.5}) as run:
         run.start(3)
         deadline = run.started_at + ctx.duration - 8
         kills = 0

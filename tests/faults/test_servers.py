@@ -133,6 +133,6 @@ def test_campaign_tests_share_one_xdist_unit() -> None:
     assert group_of(row) == GROUP
     assert group_of("tests/faults/test_campaign.py::test_bad_input[a@b-redis]") == GROUP
     assert group_of("tests/faults/test_servers.py::test_wait_back") == GROUP
-    other = "tests/test_faults_lease.py::test_kill9_between_claim_and_send[redis]"
+    other = "tests/beat/test_lease_faults.py::test_kill9_between_claim_and_send[redis]"
     assert group_of(other) == other
     assert group_of("tests/test_x.py::test_y@pool") == "pool"

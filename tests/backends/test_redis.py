@@ -36,7 +36,7 @@ from celery_anarchon.backends.base import AbsentRecord, Claim, ClaimRequest, Ins
 from celery_anarchon.backends.redis import RedisBackend
 from celery_anarchon.exceptions import BackendUnavailable, ConfigurationError
 
-from .conftest import IN_CI, REDIS_URL, require_service
+from ..conftest import IN_CI, REDIS_URL, require_service
 
 pytestmark = pytest.mark.services
 
@@ -338,9 +338,11 @@ def test_every_key_has_an_expiry(make: Callable[..., RedisBackend], raw: redis.R
     claims = backend.claim([request(job, now - i * 1000) for i in range(5)])
     backend.mark(claims[0], State.SENT, task_id="t")
     backend.release([claims[1]])
-    backend.record_if_absent(job, now - 30_000, State.MISSED, keep_until_ms=now + 60_000)
+    backend.record_many_if_absent(
+        [AbsentRecord(job, now - 30_000, State.MISSED, keep_until_ms=now + 60_000)]
+    )[0]
     backend.claim_manual(job, "k", now + 60_000)
-    backend.take_over(request(job, now - 4000, lease_ms=1))
+    backend.take_over_many([request(job, now - 4000, lease_ms=1)])[0]
     backend.register(InstanceInfo("host-a", "h", 1, "0", now), 60_000)
     keys = list(raw.scan_iter(match=f"{{{backend.prefix}*", count=1000))
     assert len(keys) >= 9
@@ -376,7 +378,9 @@ def test_a_record_closes_its_slot_even_without_a_claim_key(
     a, b, job = make("host-a"), make("host-b"), job_name()
     now = a.now_ms()
     assert a.claim([request(job, now, keep_until_ms=now - 1)])[0].won  # key gone at once
-    assert a.record_if_absent(job, now - 1000, State.SKIPPED, keep_until_ms=0)
+    assert a.record_many_if_absent([AbsentRecord(job, now - 1000, State.SKIPPED, keep_until_ms=0)])[
+        0
+    ]
     assert not raw.exists(
         f"{{{a.prefix}{job}}}:slot:{now}", f"{{{a.prefix}{job}}}:slot:{now - 1000}"
     )
@@ -416,7 +420,7 @@ def test_window_and_lease_follow_the_server_clock(
     assert inside.won
     assert (late.reason, early.reason, by_host_clock.reason) == ("window",) * 3
     # A lease of 30 s has not run out by the server's clock, whatever the host says.
-    assert backend.take_over(request(job, server_now - 50_000)).reason == "held"
+    assert backend.take_over_many([request(job, server_now - 50_000)])[0].reason == "held"
 
 
 # -- fencing: take-over, release, mark ---------------------------------------
@@ -426,12 +430,12 @@ def test_take_over_after_the_lease_expires(make: Callable[..., RedisBackend]) ->
     a, b, job = make("host-a"), make("host-b"), job_name()
     slot = a.now_ms()
     first = a.claim([request(job, slot, lease_ms=30_000)])[0]
-    assert b.take_over(request(job, slot)).reason == "held"  # lease still running
+    assert b.take_over_many([request(job, slot)])[0].reason == "held"  # lease still running
 
     other = job_name()
     held = a.claim([request(other, slot, lease_ms=1)])[0]
     time.sleep(0.01)
-    backup = b.take_over(request(other, slot))
+    backup = b.take_over_many([request(other, slot)])[0]
     assert isinstance(held.token, int)
     assert backup.won and backup.token == held.token + 1
     assert not a.mark(held, State.SENT, task_id="stale")
@@ -441,7 +445,7 @@ def test_take_over_after_the_lease_expires(make: Callable[..., RedisBackend]) ->
         (State.SENT, "host-b", 2),
         (State.SUPERSEDED, "host-a", 1),
     ]
-    assert b.take_over(request(other, slot)).reason == "taken"  # sent: nothing to take
+    assert b.take_over_many([request(other, slot)])[0].reason == "taken"  # sent: nothing to take
     assert first.won
 
 
@@ -453,10 +457,10 @@ def test_take_over_refuses_a_sent_run_and_a_slot_outside_the_window(
     sent = a.claim([request(job, now, lease_ms=1)])[0]
     a.mark(sent, State.SENT, task_id="t")
     time.sleep(0.01)
-    assert b.take_over(request(job, now)).reason == "taken"
-    assert b.take_over(request(job, now - 2 * MINUTE_MS)).reason == "window"
+    assert b.take_over_many([request(job, now)])[0].reason == "taken"
+    assert b.take_over_many([request(job, now - 2 * MINUTE_MS)])[0].reason == "window"
     # Never claimed: claimed as by claim() (the contract; SQL does the same).
-    assert b.take_over(request(job, now - 1000)).won
+    assert b.take_over_many([request(job, now - 1000)])[0].won
 
 
 def test_release_then_reclaim_bumps_the_token(make: Callable[..., RedisBackend]) -> None:

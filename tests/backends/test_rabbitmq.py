@@ -29,7 +29,7 @@ import kombu
 import pytest
 
 from celery_anarchon.backends import backend_from_url
-from celery_anarchon.backends.base import Claim, ClaimRequest, State
+from celery_anarchon.backends.base import AbsentRecord, Claim, ClaimRequest, State
 from celery_anarchon.backends.rabbitmq import (
     MAX_QUEUE_NAME_BYTES,
     RabbitMQBackend,
@@ -39,7 +39,7 @@ from celery_anarchon.backends.rabbitmq import (
 )
 from celery_anarchon.exceptions import BackendUnavailable, ConfigurationError
 
-from .conftest import require_service
+from ..conftest import require_service
 
 pytestmark = pytest.mark.services
 
@@ -576,8 +576,10 @@ def test_missed_slot_closes_the_gate_and_shows_in_history(
 ) -> None:
     a, b = make("host-a"), make("host-b")
     slot = now_ms() - 70_000
-    assert a.record_if_absent("m", slot, State.MISSED, error="nobody in time", history_size=5)
-    assert not b.record_if_absent("m", slot, State.MISSED)
+    assert a.record_many_if_absent(
+        [AbsentRecord("m", slot, State.MISSED, error="nobody in time", history_size=5)]
+    )[0]
+    assert not b.record_many_if_absent([AbsentRecord("m", slot, State.MISSED)])[0]
     assert b.claim([request("m", slot)])[0].reason == "taken"
     [record] = b.history("m")
     assert (record.state, record.instance, record.error) == (

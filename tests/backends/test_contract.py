@@ -19,11 +19,12 @@ from celery_anarchon.backends.base import (
     Claim,
     ClaimRequest,
     InstanceInfo,
+    LeaseBackend,
     State,
 )
 from celery_anarchon.exceptions import BackendUnavailable, ConfigurationError
 
-from .conftest import BackendFactory
+from ..conftest import BackendFactory
 
 pytestmark = pytest.mark.services
 
@@ -169,8 +170,12 @@ def test_missed_slot_is_recorded_once_and_closes_the_slot(
 ) -> None:
     a, b = make_backend("host-a"), make_backend("host-b")
     slot = a.now_ms() - 1_000
-    assert a.record_if_absent(job, slot, State.MISSED, keep_until_ms=slot + 120_000)
-    assert not b.record_if_absent(job, slot, State.MISSED, keep_until_ms=slot + 120_000)
+    assert a.record_many_if_absent(
+        [AbsentRecord(job, slot, State.MISSED, keep_until_ms=slot + 120_000)]
+    )[0]
+    assert not b.record_many_if_absent(
+        [AbsentRecord(job, slot, State.MISSED, keep_until_ms=slot + 120_000)]
+    )[0]
     assert not b.claim([request_for(b, job, slot)])[0].won
     assert [r.state for r in a.history(job)] == [State.MISSED]
 
@@ -178,7 +183,9 @@ def test_missed_slot_is_recorded_once_and_closes_the_slot(
 def test_a_claimed_slot_is_not_recorded_missed(make_backend: BackendFactory, job: str) -> None:
     a, b = make_backend("host-a"), make_backend("host-b")
     claim = a.claim([request_for(a, job)])[0]
-    assert not b.record_if_absent(job, claim.slot_ms, State.MISSED, keep_until_ms=0)
+    assert not b.record_many_if_absent(
+        [AbsentRecord(job, claim.slot_ms, State.MISSED, keep_until_ms=0)]
+    )[0]
     assert [r.state for r in a.history(job)] == [State.CLAIMED]
 
 
@@ -229,7 +236,7 @@ def test_take_over_claims_a_released_slot(make_backend: BackendFactory, job: str
     claim = a.claim([req])[0]
     assert not b.claim([req])[0].won
     a.release([claim])  # hand-over on shutdown
-    taken = b.take_over(req)
+    taken = b.take_over_many([req])[0]
     assert taken.won and isinstance(taken.token, int)
     # (A released claim is never used again by its holder, which is shutting
     # down; SQL may hand the same token 1 out again, Redis the next one.)
@@ -242,7 +249,7 @@ def test_take_over_leaves_a_live_lease_alone(make_backend: BackendFactory, job: 
     lease_only(a)
     req = request_for(a, job)
     assert a.claim([req])[0].won
-    assert not b.take_over(req).won
+    assert not b.take_over_many([req])[0].won
 
 
 def test_release_leaves_a_sent_slot_alone(make_backend: BackendFactory, job: str) -> None:
@@ -471,8 +478,9 @@ def test_take_over_many_answers_each_slot(make_backend: BackendFactory, job: str
     slots = slots_from(a, 3)
     requests = [request_for(a, job, s) for s in slots]
     sent, live, released = a.claim(requests)
-    if not a.supports_leases:
-        assert [c.won for c in b.take_over_many(requests)] == [False] * 3
+    if not a.supports_leases:  # claim-only: no take-over at all
+        assert not isinstance(b, LeaseBackend) and not hasattr(b, "take_over_many")
+        assert not b.claim(requests)[0].won  # the slots stay a's
         return
     a.mark(sent, State.SENT, task_id="t")
     a.release([released])
@@ -517,10 +525,12 @@ def test_take_over_answers_held_while_a_backups_lease_runs(
     # The backup's lease must outlast the two checks below: on a loaded
     # machine they took up to 0.17 s (of a 300 ms lease, before). Then it is
     # waited out by the backend's clock.
-    backup = b.take_over(request_for(b, job, slot, lease_ms=2000))
+    backup = b.take_over_many([request_for(b, job, slot, lease_ms=2000)])[0]
     lease_ends_ms = b.now_ms() + 2000  # at the latest
     assert backup.won and backup.token == 2
-    assert [(x.won, x.reason) for x in (c.take_over(short), *c.take_over_many([short]))] == [
+    assert [
+        (x.won, x.reason) for x in (c.take_over_many([short])[0], *c.take_over_many([short]))
+    ] == [
         (False, "held"),
         (False, "held"),
     ]
@@ -545,8 +555,9 @@ def test_holding_reads_token_state_and_lease(make_backend: BackendFactory, job: 
         ]
     )
     lost = Claim(job=job, slot_ms=slots[3], won=False)
-    if not a.supports_leases:
-        assert a.holding([held, lost]) == [True, False]
+    if not a.supports_leases:  # claim-only: no lease to read
+        assert not isinstance(a, LeaseBackend) and not hasattr(a, "holding")
+        assert (held.won, lost.won) == (True, False)
         return
     assert isinstance(other.token, int)
     stale = Claim(job=job, slot_ms=slots[3], won=True, token=other.token + 1)

@@ -4,7 +4,7 @@ and a rolling restart, with publishes and executions counted apart.
 
 Each scenario runs three beats for about 20 to 30 seconds against SQLite,
 PostgreSQL and Redis (Celery's broker: Redis db 1). The window between a
-won claim and its send is widened with ``anarchon_test_send_delay`` on one
+won claim and its send is widened with ``tests.beat.support.SEND_DELAY`` on one
 beat only (fault injection, tests only).
 """
 
@@ -17,12 +17,13 @@ from pathlib import Path
 import pytest
 
 from celery_anarchon.backends.base import RunRecord, State
-from celery_anarchon.scheduler import HEARTBEAT_INTERVAL, Scheduler
+from celery_anarchon.beat.registry import HEARTBEAT_INTERVAL
+from celery_anarchon.beat.scheduler import Scheduler
 
-from .beats import instance_prefix
-from .conftest import POSTGRES_URL, REDIS_URL, require_service
-from .faults.harness import FaultRun, wait_until
-from .test_lease_features import Clock, make_app, sent_slots
+from ..beats import instance_prefix
+from ..conftest import POSTGRES_URL, REDIS_URL, require_service
+from ..faults.harness import FaultRun, wait_until
+from .support import SEND_DELAY, Clock, make_app, sent_slots
 
 pytestmark = [pytest.mark.integration, pytest.mark.services]
 
@@ -58,14 +59,14 @@ def backend(request: pytest.FixtureRequest) -> str:
 def start_with_victim(run: FaultRun, delay_s: float) -> tuple[object, int]:
     """Start two plain beats, then, once they have sent the slots of the
     last ``max_late`` (a beat's first slots at start-up), a third beat with
-    ``anarchon_test_send_delay = delay_s``. Returns the victim and the
+    a send delay of ``delay_s`` (``tests.beat.support.SEND_DELAY``). Returns the victim and the
     first slot (epoch ms) it may be caught holding: one registry heartbeat
     period after it ticks, when every beat knows every other (the steady
     state; see test_take_over_when_the_first_backup_won_and_died for what
     happens before)."""
     run.start(2, worker=False)
     time.sleep(3.0)
-    victim = run.cluster.start(1, conf={"anarchon_test_send_delay": delay_s})[0]
+    victim = run.cluster.start(1, conf={SEND_DELAY: delay_s})[0]
     assert run.cluster.wait_ticking([victim]), run.cluster.logs()
     return victim, int(time.time() + HEARTBEAT_INTERVAL + 1) * 1000
 
@@ -213,11 +214,11 @@ def test_take_over_when_the_first_backup_won_and_died(backend: str, tmp_path: Pa
         for s in schedulers:
             s.tick()  # registers
         for s in schedulers:
-            s._next_heartbeat = 0
+            s.registry.next_heartbeat = 0
             s.tick()  # reads every peer
-            s._plan_first_slots()
-        assert all(len(s._peers) == 3 for s in schedulers)
-        first, second, third = sorted(schedulers, key=lambda s: s._rank("j", slot * 1000))
+            s.agenda.plan_first_slots()
+        assert all(len(s.registry.peers) == 3 for s in schedulers)
+        first, second, third = sorted(schedulers, key=lambda s: s.registry.rank("j", slot * 1000))
         request = second.jobs["j"].claim_request(slot * 1000, 10)
         assert second.backend is not None
         assert second.backend.claim([request])[0].won  # then it dies, unsent

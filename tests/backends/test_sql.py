@@ -27,7 +27,7 @@ from celery_anarchon.backends.base import Claim, ClaimRequest, InstanceInfo, Sta
 from celery_anarchon.backends.sql import CLIENT_FOUND_ROWS, SCHEMA_VERSION, SQLBackend
 from celery_anarchon.exceptions import BackendUnavailable, ConfigurationError
 
-from .conftest import MYSQL_URL, POSTGRES_URL, require_service
+from ..conftest import MYSQL_URL, POSTGRES_URL, require_service
 
 pytestmark = pytest.mark.services
 
@@ -280,7 +280,7 @@ def test_mark_refuses_states_it_does_not_write(make: Make, job: str) -> None:
     backend = make()
     claim = backend.claim([request_for(job, backend.now_ms())])[0]
     assert not backend.mark(claim, State.CLAIMED)  # never a move forward
-    with pytest.raises(ValueError, match="record_if_absent"):
+    with pytest.raises(ValueError, match="record_many_if_absent"):
         backend.mark(claim, State.MISSED)
 
 
@@ -291,9 +291,11 @@ def test_claim_window_is_judged_by_the_database_clock(
     make: Make, kind: str, job: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     backend = make()
-    real_now = sql._process_now_ms()
+    real_now = sql.dialects._process_now_ms()
     # This process's clock now runs an hour fast.
-    monkeypatch.setattr(sql, "_process_now_ms", lambda: time.time_ns() // 1_000_000 + HOUR_MS)
+    monkeypatch.setattr(
+        sql.dialects, "_process_now_ms", lambda: time.time_ns() // 1_000_000 + HOUR_MS
+    )
     answer = backend.claim([request_for(job, real_now)])[0]
     if kind == "sqlite":  # no server: SQLite's clock is this process's
         assert (answer.won, answer.reason) == (False, "window")
@@ -388,11 +390,11 @@ def test_a_trim_waits_for_housekeeping_a_bounded_time(
     # A wait far longer than the three claims below take on a loaded machine
     # (a 0.2 s one was not), run out by moving the backend's monotonic clock.
     wait_s = 10.0
-    monkeypatch.setattr(sql, "MAX_TRIM_WAIT_S", wait_s)
+    monkeypatch.setattr(sql.history, "MAX_TRIM_WAIT_S", wait_s)
     skipped = [0.0]
     clock = SimpleNamespace(**vars(time))  # the time module, but for monotonic()
     clock.monotonic = lambda: time.monotonic() + skipped[0]
-    monkeypatch.setattr(sql, "time", clock)
+    monkeypatch.setattr(sql.history, "time", clock)
     now = backend.now_ms()
     slots = [now - 50_000 + i * 1000 for i in range(4)]
     for slot in slots[:3]:
@@ -427,25 +429,25 @@ def test_take_over_an_expired_lease_fences_the_old_owner(make: Make, job: str) -
     req = request_for(job, a.now_ms() - 1_000, lease_ms=0)
     old = a.claim([req])[0]
     time.sleep(0.005)  # let the zero-length lease run out on the database clock
-    new = b.take_over(request_for(job, req.slot_ms))  # with a 30 s lease
+    new = b.take_over_many([request_for(job, req.slot_ms)])[0]  # with a 30 s lease
     assert (new.won, new.token) == (True, 2)
-    assert not c.take_over(req).won  # b's lease runs
+    assert not c.take_over_many([req])[0].won  # b's lease runs
     assert not a.mark(old, State.SENT, task_id="stale")
     assert b.mark(new, State.SENT, task_id="fresh")
     history = [(r.state, r.instance, r.token) for r in a.history(job)]
     assert history == [(State.SENT, "host-b", 2), (State.SUPERSEDED, "host-a", 1)]
-    assert not c.take_over(req).won  # sent: nothing to take over
+    assert not c.take_over_many([req])[0].won  # sent: nothing to take over
 
 
 def test_take_over_refuses_a_running_lease_and_a_sent_run(make: Make, job: str) -> None:
     a, b = make("host-a"), make("host-b")
     req = request_for(job, a.now_ms())
     claim = a.claim([req])[0]
-    assert (b.take_over(req).won, b.take_over(req).reason) == (False, "held")
+    assert (b.take_over_many([req])[0].won, b.take_over_many([req])[0].reason) == (False, "held")
     a.mark(claim, State.SENT, task_id="t")
     expired = request_for(job, req.slot_ms, lease_ms=0)
-    assert not b.take_over(expired).won
-    outside = b.take_over(request_for(job, req.slot_ms - 10 * 60_000))
+    assert not b.take_over_many([expired])[0].won
+    outside = b.take_over_many([request_for(job, req.slot_ms - 10 * 60_000)])[0]
     assert outside.reason == "window"
 
 
@@ -454,9 +456,9 @@ def test_release_after_a_takeover_hands_the_slot_on(make: Make, job: str) -> Non
     req = request_for(job, a.now_ms() - 1_000, lease_ms=0)
     a.claim([req])
     time.sleep(0.005)
-    second = b.take_over(request_for(job, req.slot_ms))  # 30 s lease
+    second = b.take_over_many([request_for(job, req.slot_ms)])[0]  # 30 s lease
     b.release([second])
-    third = c.take_over(request_for(job, req.slot_ms))
+    third = c.take_over_many([request_for(job, req.slot_ms)])[0]
     assert (third.won, third.token) == (True, 3)
 
 
@@ -488,8 +490,8 @@ def test_job_names_are_compared_exactly(make: Make) -> None:
 def test_manual_run_skips_whole_seconds_and_taken_slots(
     make: Make, kind: str, job: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    second = (sql._process_now_ms() // 1000) * 1000
-    monkeypatch.setattr(sql, "_process_now_ms", lambda: second)
+    second = (sql.dialects._process_now_ms() // 1000) * 1000
+    monkeypatch.setattr(sql.dialects, "_process_now_ms", lambda: second)
     backend = make()
     assert backend.claim([request_for(job, second + 1)])[0].won
     first = backend.claim_manual(job, "k1", second + 60_000)

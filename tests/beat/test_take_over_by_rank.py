@@ -1,16 +1,9 @@
-"""A defect the lease table found (docs/reliability.md, "Lease faults"):
-"kill-9 in send" on Redis left a slot ``claimed`` by a killed beat, never
-taken over, never sent and never recorded.
-
-Only the first two instances of a slot's rendezvous order plan a take-over
-check after losing it (``Scheduler._plan_take_over``), and the registry lists
-a killed instance for ``registry_ttl``: when both are dead, no live instance
-checks the slot, and its ``claimed`` record keeps it from being recorded
-``missed`` later. Deterministic here: four schedulers in one process, a
-hand-moved clock, the two first of the slot's order "dead" (never ticked
-again). Fixed: every instance that lost the slot plans a check, the third
-of the order one heartbeat period after the lease's end
-(``scheduler.TAKE_OVER_RANKS``).
+"""Take-over by rendezvous rank when the first two of a slot's order are
+dead: four schedulers in one process on a real lease backend, a hand-moved
+clock, the two first of the slot's order never ticked again (killed, still
+listed in the registry for ``registry_ttl``). The third of the order checks
+the slot one heartbeat period after the lease's end
+(:data:`celery_anarchon.beat.takeover.TAKE_OVER_RANKS`) and sends it once.
 """
 
 from __future__ import annotations
@@ -20,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from celery_anarchon.scheduler import HEARTBEAT_INTERVAL, Scheduler
+from celery_anarchon.beat.registry import HEARTBEAT_INTERVAL
+from celery_anarchon.beat.scheduler import Scheduler
 
 from ..conftest import POSTGRES_URL, REDIS_URL, require_service
-from ..test_lease_features import Clock, make_app, sent_slots
+from .support import Clock, make_app, sent_slots
 
 pytestmark = pytest.mark.services
 
@@ -47,11 +41,13 @@ def test_take_over_when_the_two_first_of_the_order_are_dead(backend: str, tmp_pa
         for s in schedulers:
             s.tick()  # registers
         for s in schedulers:
-            s._next_heartbeat = 0
+            s.registry.next_heartbeat = 0
             s.tick()  # reads every peer
-            s._plan_first_slots()
-        assert all(len(s._peers) == 4 for s in schedulers)
-        first, second, third, fourth = sorted(schedulers, key=lambda s: s._rank("j", slot * 1000))
+            s.agenda.plan_first_slots()
+        assert all(len(s.registry.peers) == 4 for s in schedulers)
+        first, second, third, fourth = sorted(
+            schedulers, key=lambda s: s.registry.rank("j", slot * 1000)
+        )
         request = first.jobs["j"].claim_request(slot * 1000, 10)
         assert first.backend is not None
         assert first.backend.claim([request])[0].won  # then it dies unsent; so does `second`

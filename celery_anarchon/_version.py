@@ -1,0 +1,4 @@
+"""The package version, in a module of its own so any module can read it
+without importing the package's lazy top level."""
+
+__version__ = "0.1.0"

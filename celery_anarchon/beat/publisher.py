@@ -1,0 +1,435 @@
+"""Publishing: a won slot to Celery's broker, at most once.
+
+The :class:`Publisher` sends a batch's won claims in order, each through
+:func:`~celery_anarchon.message.send_slot` on beat's own producer, bounded in
+time (a broker that is away never blocks a tick for long) and never
+repeated once it may have reached the broker (docs/exactly-once.md: in
+doubt, never send twice). A send that fails is left to a backup on a lease
+backend; one in doubt is recorded ``lost`` at once.
+
+The age of a won claim is judged by one rule (:func:`held_past`), against
+the shares of its lease named below.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+from ..backends.base import Claim, State
+from ..exceptions import BackendUnavailable
+from ..message import send_slot, task_id_for
+from ..metrics import Metrics
+from ..times import iso as _iso
+from ..times import ms as _ms
+from .agenda import SEND_FAILED, Agenda, Slot
+from .claiming import Claimer
+from .journal import Journal
+from .link import BackendLink
+from .registry import HAND_OVER_MARGIN
+
+__all__ = [
+    "GIVE_BACK_SHARE",
+    "PUBLISH_ATTEMPTS",
+    "PUBLISH_BY",
+    "PUBLISH_PAUSE",
+    "VERIFY_SHARE",
+    "Publisher",
+    "held_past",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Attempts of one publish, each on a broker connection made afresh after a
+#: failure with one connect attempt (bounded by
+#: ``broker_connection_timeout``); after a publish failed, further sends
+#: fail at once for PUBLISH_PAUSE seconds, so a tick with many won slots and
+#: an unreachable broker is not blocked once per slot.
+PUBLISH_ATTEMPTS = 2
+PUBLISH_PAUSE = 1.0
+
+#: The staleness rule's marks, shares of a claim's lease it has been held
+#: (:func:`held_past`). The later, the likelier a backup takes the slot
+#: over at the lease's end and publishes it too:
+#:
+#: * a batch still sending past GIVE_BACK_SHARE of its shortest lease (this
+#:   instance is slower than measured) gives the rest back, to be claimed
+#:   afresh with a full lease;
+#: * a send starting past VERIFY_SHARE first asks the backend whether the
+#:   claim still holds (its token current, a tenth of the lease left);
+#: * no publish starts past PUBLISH_BY: the slot is left to a backup.
+GIVE_BACK_SHARE = 1 / 3
+VERIFY_SHARE = 1 / 2
+PUBLISH_BY = 0.8
+
+
+def held_past(held_s: float, lease_s: float, share: float) -> bool:
+    """The staleness rule: True when a claim held ``held_s`` seconds has
+    used more than ``share`` of its ``lease_s`` second lease."""
+    return held_s > lease_s * share
+
+
+class _StaleClaim(Exception):
+    """A won claim was held too long to publish (past :data:`PUBLISH_BY`)."""
+
+    def __init__(self, held_s: float) -> None:
+        super().__init__(f"claim held {held_s:.1f}s")
+        self.held_s = held_s
+
+
+class _PublishInDoubt(Exception):
+    """A publish failed after it may have reached Celery's broker (the
+    connection broke or timed out during or after the write): sending it
+    again, here or by a backup, could publish the slot twice."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(repr(cause))
+        self.cause = cause
+
+
+def _refused(exc: BaseException) -> bool:
+    """True when ``exc`` says the broker connection could not be made at
+    all (refused, or the host name did not resolve), so nothing was
+    written: the exception itself or what it wraps (``__cause__``)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, (ConnectionRefusedError, socket.gaierror)):
+            return True
+        seen.add(id(current))
+        current = current.__cause__
+    return False
+
+
+class Publisher:
+    """Sends won slots; owns the publish pause and the failed sends.
+
+    Args:
+        app: the Celery app.
+        instance_id: this instance, for the log line of a send.
+        link: the backend.
+        claimer: the held claims (a published claim is no longer held) and
+            give-back.
+        journal: where sends, and sends lost, are recorded.
+        agenda: where a failed send's close is planned.
+        metrics: counters.
+        clock: seconds since the epoch.
+        producer: beat's producer (Celery's ``Scheduler.producer``;
+            connects if needed, bounded).
+        drop_producer: forget the producer and its connection after a
+            failed publish, so the next one makes both afresh.
+    """
+
+    #: Called with each slot right before it is sent (a seam for tests that
+    #: widen the window between claim and send); None in production.
+    before_send: ClassVar[Callable[[Slot], None] | None] = None
+
+    def __init__(
+        self,
+        app: Any,
+        instance_id: str,
+        link: BackendLink,
+        claimer: Claimer,
+        journal: Journal,
+        agenda: Agenda,
+        metrics: Metrics,
+        clock: Callable[[], float],
+        producer: Callable[[], Any],
+        drop_producer: Callable[[], None],
+    ) -> None:
+        self._app = app
+        self._instance_id = instance_id
+        self._link = link
+        self._claimer = claimer
+        self._journal = journal
+        self._agenda = agenda
+        self._metrics = metrics
+        self._clock = clock
+        self._producer = producer
+        self._drop_producer = drop_producer
+        #: no publish is tried before this time.monotonic() (broker away), and why
+        self._paused_until = 0.0
+        self._pause_reason = ""
+        #: claims whose send failed, left to a backup, by (job, slot)
+        self.failed: dict[tuple[str, int], Slot] = {}
+
+    def send_all(self, won: Sequence[Slot], claimed_at: float) -> int:
+        """Send won slots in order, recording ``sent`` in chunks; how many
+        were sent. Should sending run past :data:`GIVE_BACK_SHARE` of the
+        shortest lease of the batch (this instance is slower than measured,
+        e.g. a loaded machine), the rest is given back
+        (:meth:`Claimer.give_back`) instead of being sent on a lease
+        running short."""
+        lease_s = min((slot.job.options.lease_ttl for slot in won), default=0.0)
+        for index, slot in enumerate(won):
+            if held_past(self._clock() - claimed_at, lease_s, GIVE_BACK_SHARE):
+                self._claimer.give_back(won[index:])
+                return index
+            self.send(slot, claimed_at)
+        return len(won)
+
+    def send(self, slot: Slot, claimed_at: float) -> None:
+        """Send a won slot; record ``sent`` (or ``lost`` when the send fails).
+
+        A claim held for more than :data:`VERIFY_SHARE` of its lease (this
+        process was frozen or slow) is checked against the backend before
+        publishing: if its fencing token is no longer current, another
+        instance took the slot over and nothing is sent.
+        """
+        if Publisher.before_send is not None:
+            Publisher.before_send(slot)
+        job, claim = slot.job, slot.claim
+        assert claim is not None
+        lease_s = job.options.lease_ttl
+        held_s = self._clock() - claimed_at
+        slot.task_id = task_id_for(job.name, slot.slot_ms)
+        # Not released on shutdown from here on: a publish interrupted after
+        # it reached the broker must fall to lease expiry (the documented
+        # window, leaving a superseded record), never to a hand-over.
+        self._claimer.held.pop(slot.key, None)
+        if held_past(held_s, lease_s, VERIFY_SHARE) and (
+            held_past(held_s, lease_s, PUBLISH_BY) or not self._still_holds(slot)
+        ):
+            # The lease has (nearly) ended: a backup may be taking the slot
+            # over now. Publishing would risk a second publish; leave the
+            # slot to the backup, recorded lost later if none sent it.
+            logger.warning(
+                "anarchon: %s @ %s held %.1fs of a %.0fs lease before its send; not sent "
+                "by this instance (left to a backup)",
+                job.name,
+                _iso(slot.slot_ms),
+                held_s,
+                lease_s,
+            )
+            self._on_send_failed(slot, TimeoutError("lease ended"))
+            return
+        try:
+            self._publish(slot, claimed_at)
+        except _StaleClaim as exc:
+            logger.warning(
+                "anarchon: %s @ %s held %.1fs of a %.0fs lease when its publish was due; "
+                "not sent by this instance (left to a backup)",
+                job.name,
+                _iso(slot.slot_ms),
+                exc.held_s,
+                lease_s,
+            )
+            self._on_send_failed(slot, TimeoutError("lease ended"))
+            return
+        except _PublishInDoubt as exc:
+            self._metrics.send_failed(job.name)
+            self._on_publish_in_doubt(slot, exc.cause)
+            return
+        except Exception as exc:
+            self._metrics.send_failed(job.name)
+            self._on_send_failed(slot, exc)
+            return
+        self._metrics.won(job.name, self._clock() - slot.slot_ms / 1000)
+        logger.info(
+            "anarchon: sent %s @ %s (task %s, id %s, by %s)",
+            job.name,
+            _iso(slot.slot_ms),
+            job.entry.task,
+            slot.task_id,
+            self._instance_id,
+        )
+        self._journal.record_sent(slot)
+
+    def _on_send_failed(self, slot: Slot, exc: Exception) -> None:
+        """Sending a won slot failed (this instance cannot reach Celery's
+        broker). On a lease backend the claim is left to expire, so a backup
+        that can reach the broker takes the slot over and sends it; if none
+        did by ``max_late``, this instance records it ``lost`` (fenced: a
+        take-over leaves its record alone, :meth:`close_failed_send`). A
+        claim-only backend cannot hand the slot on: it is recorded ``lost``
+        at once."""
+        job, claim = slot.job, slot.claim
+        assert claim is not None
+        slot.error = f"send failed: {exc!r}"
+        if not self._link.leases:
+            logger.error(
+                "anarchon: won %s @ %s but sending failed: %r; recorded as lost",
+                job.name,
+                _iso(slot.slot_ms),
+                exc,
+            )
+            self._journal.mark(claim, State.LOST, task_id=slot.task_id, error=slot.error)
+            return
+        logger.error(
+            "anarchon: won %s @ %s but sending failed: %r; left for a backup instance "
+            "to take over when the lease ends",
+            job.name,
+            _iso(slot.slot_ms),
+            exc,
+        )
+        slot.lease_end_ms = int(self._clock() * 1000) + _ms(job.options.lease_ttl)
+        self.failed[slot.key] = slot
+        due_ms = max(slot.lease_end_ms, job.deadline_ms(slot.slot_ms)) + 1000
+        self._agenda.push(due_ms, Slot(job, slot.slot_ms, SEND_FAILED))
+
+    def _on_publish_in_doubt(self, slot: Slot, exc: Exception) -> None:
+        """A publish failed after it may have reached Celery's broker: the
+        slot may be queued already. Recorded ``lost`` at once (in doubt,
+        never send twice: docs/exactly-once.md), not left to a backup: a
+        take-over would publish it a second time. The record closes the
+        claim, so no backup takes it over; only when the backend does not
+        take the record may a backup take the slot over at lease end."""
+        assert slot.claim is not None
+        error = f"publish failed after it may have reached the broker: {exc!r}"
+        if self._journal.mark(slot.claim, State.LOST, task_id=slot.task_id, error=error):
+            logger.error(
+                "anarchon: %s @ %s: publish failed after it may have reached the broker "
+                "(%r); not sent again, recorded lost",
+                slot.job.name,
+                _iso(slot.slot_ms),
+                exc,
+            )
+        else:
+            logger.error(
+                "anarchon: %s @ %s: publish failed after it may have reached the broker "
+                "(%r) and it could not be recorded lost; a backup may send it again "
+                "when the lease ends",
+                slot.job.name,
+                _iso(slot.slot_ms),
+                exc,
+            )
+
+    def close_failed_send(self, slot: Slot) -> None:
+        """No backup took a failed send over by ``max_late``: record this
+        instance's claim lost (fenced: a take-over keeps its record)."""
+        failed = self.failed.pop(slot.key, None)
+        if failed is None or failed.claim is None:
+            return
+        if self._journal.mark(failed.claim, State.LOST, error=failed.error):
+            logger.warning(
+                "anarchon: %s @ %s: sending failed and no backup sent it; recorded lost",
+                slot.job.name,
+                _iso(slot.slot_ms),
+            )
+
+    def hand_over(self, now_ms: int) -> list[tuple[Claim, str]]:
+        """On shutdown, the failed sends to record ``lost`` now, with why;
+        none is kept afterwards.
+
+        A claim whose send failed stays with its lease while a backup can
+        still take it over: its lease ends before ``max_late``, or it has
+        ended already with at least :data:`HAND_OVER_MARGIN` seconds left
+        before ``max_late`` (the backups' checks are due); otherwise it is
+        recorded ``lost`` now (this instance will not be there to do it when
+        ``max_late`` ends)."""
+        lost: list[tuple[Claim, str]] = []
+        for slot in self.failed.values():
+            assert slot.claim is not None
+            last_ms = slot.job.deadline_ms(slot.slot_ms)
+            if slot.lease_end_ms > last_ms:
+                backup_can_take = False  # the lease outlives max_late
+            elif now_ms < slot.lease_end_ms:
+                backup_can_take = True  # a backup checks at the lease's end
+            else:  # the lease ended: a backup's check is due now, or at its next heartbeat
+                backup_can_take = now_ms + _ms(HAND_OVER_MARGIN) <= last_ms
+            if not backup_can_take:
+                lost.append((slot.claim, f"{slot.error}; shut down, no backup took it over"))
+        self.failed = {}
+        return lost
+
+    def _publish(self, slot: Slot, claimed_at: float) -> None:
+        """Publish a won slot, bounded in time so a tick is never blocked
+        long by a broker that is away (any doubt is lost).
+
+        At most :data:`PUBLISH_ATTEMPTS` attempts. Each connects (once,
+        bounded by ``broker_connection_timeout``) if beat has no broker
+        connection, re-checks the claim's age right before publishing, and
+        publishes without kombu's own retries. An attempt is repeated only
+        when it certainly wrote nothing: the connection could not be made
+        (connecting failed, or the publish was refused a connection). A
+        publish that failed once it may have written (a connection reset or
+        a timeout during or after the write) is never repeated: in doubt,
+        never send twice. After a failed attempt the producer and its
+        connection are dropped and made afresh: kombu closes the producer's
+        channel when a publish hits a dropped connection and leaves it
+        closed when it cannot reconnect, so the cached producer would fail
+        every later publish (``AttributeError: 'NoneType' object has no
+        attribute 'state'`` on the Redis transport) even once the broker is
+        back.
+
+        Raises:
+            _StaleClaim: the claim was held more than :data:`PUBLISH_BY` of
+                its lease when a publish was due (a backup may take it over).
+            _PublishInDoubt: the publish failed after it may have reached
+                the broker (not tried again).
+            Exception: the last attempt's error, or, within
+                :data:`PUBLISH_PAUSE` seconds of a failed publish, a
+                ConnectionError without trying (the broker is away).
+        """
+        job, claim = slot.job, slot.claim
+        assert claim is not None
+        if time.monotonic() < self._paused_until:
+            raise ConnectionError(
+                f"Celery's broker did not answer a publish less than {PUBLISH_PAUSE:g}s "
+                f"ago ({self._pause_reason}); not tried again yet"
+            )
+        for attempt in range(1, PUBLISH_ATTEMPTS + 1):
+            may_have_written = False
+            try:
+                producer = self._producer()  # connects if needed, bounded
+                held_s = self._clock() - claimed_at
+                if held_past(held_s, job.options.lease_ttl, PUBLISH_BY):
+                    raise _StaleClaim(held_s)
+                may_have_written = True  # from here on the message may reach the broker
+                send_slot(
+                    self._app,
+                    job.entry,
+                    job=job.name,
+                    slot_ms=slot.slot_ms,
+                    token=claim.token,
+                    task_id=slot.task_id,
+                    producer=producer,
+                    expires=job.expires(slot.slot_ms),
+                    retry=False,
+                )
+                return
+            except _StaleClaim:
+                raise
+            except Exception as exc:
+                self._drop_producer()
+                in_doubt = may_have_written and not _refused(exc)
+                if in_doubt or attempt == PUBLISH_ATTEMPTS:
+                    self._pause_reason = repr(exc)
+                    self._paused_until = time.monotonic() + PUBLISH_PAUSE
+                    if in_doubt:
+                        raise _PublishInDoubt(exc) from exc
+                    raise
+                logger.info(
+                    "anarchon: publishing %s @ %s failed (%r); again on a new broker connection",
+                    job.name,
+                    _iso(slot.slot_ms),
+                    exc,
+                )
+
+    def _still_holds(self, slot: Slot) -> bool:
+        """True when ``slot``'s claim is still held: its token is the slot's
+        current one, the run is still ``claimed``, and its lease ends more
+        than a tenth of the lease after the backend's now: one
+        :meth:`Backend.holding` read (a key read, not the job's history);
+        False when the backend does not answer. (A batch gives back what it
+        could not send by :data:`GIVE_BACK_SHARE` of the lease, so this is
+        asked only of a send that stalled on its own.)"""
+        backend = self._link.lease_backend
+        if backend is None:  # claim-only: no lease to lose
+            return True
+        assert slot.claim is not None
+        claims: list[Claim] = [slot.claim]
+        margin_ms = _ms(slot.job.options.lease_ttl / 10)
+        try:
+            answers = backend.holding(claims, margin_ms)
+        except BackendUnavailable as exc:
+            self._link.on_outage(exc)
+        except Exception:
+            logger.exception("anarchon: reading the leases of %d claim(s) failed", len(claims))
+        else:
+            if len(answers) == len(claims):
+                return answers[0]
+        return False

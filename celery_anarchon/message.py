@@ -1,0 +1,154 @@
+"""The message of one slot: what beat publishes and the worker reads.
+
+Task ids derived from ``(job, slot)``, the ``anarchon_*`` headers, the
+message expiry, and :func:`send_slot`, the one publish path. Beat and the
+worker integration both import this module, never each other.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timedelta
+from typing import Any
+
+from celery import beat
+
+from .settings import EXPIRES_NEXT_SLOT, JobOptions, parse_expires
+from .times import utc as _utc
+
+__all__ = [
+    "HEADER_JOB",
+    "HEADER_SLOT",
+    "HEADER_TOKEN",
+    "TASK_ID_NAMESPACE",
+    "expires_for",
+    "manual_task_id",
+    "message_expiry_ms",
+    "send_slot",
+    "task_id_for",
+]
+
+#: Namespace of the task ids derived from ``(job, slot)``.
+TASK_ID_NAMESPACE = uuid.UUID("6b3f4a52-2d0e-4c1e-9a55-0d1f3c7e8a90")
+
+#: Message headers the scheduler sets (see docs/how-it-works.md).
+HEADER_JOB = "anarchon_job"
+HEADER_SLOT = "anarchon_slot"
+HEADER_TOKEN = "anarchon_token"
+
+
+def task_id_for(job: str, slot_ms: int) -> str:
+    """The Celery task id of ``job``'s run at ``slot_ms``: the same on every
+    host, so a second publish of one slot carries the same id."""
+    return str(uuid.uuid5(TASK_ID_NAMESPACE, f"{job}\x00{slot_ms}"))
+
+
+def manual_task_id(job: str, key: str) -> str:
+    """The task id of a ``run_now`` of ``job`` under ``key``."""
+    return str(uuid.uuid5(TASK_ID_NAMESPACE, f"{job}\x00manual\x00{key}"))
+
+
+def expires_for(
+    expires: JobOptions | float | timedelta | str | None, slot_ms: int, next_slot_ms: int | None
+) -> datetime | None:
+    """When the message of one run expires (Celery's ``expires`` option).
+
+    Args:
+        expires: a job's options (their ``expires``), or an ``anarchon_expires``
+            value: None (never), seconds (or a timedelta) counted from the
+            slot's time, or ``'next_slot'``.
+        slot_ms: the run's slot, epoch milliseconds (UTC).
+        next_slot_ms: the job's next slot after ``slot_ms``, epoch
+            milliseconds, or None when there is none.
+    Returns:
+        an aware UTC datetime, or None for no expiry (also for
+        ``'next_slot'`` when there is no next slot).
+    Raises:
+        ConfigurationError: a value that is none of those.
+    """
+    value = expires.expires if isinstance(expires, JobOptions) else expires
+    value = parse_expires(value, setting="anarchon_expires", job=None)
+    if value is None:
+        return None
+    if value == EXPIRES_NEXT_SLOT:
+        return None if next_slot_ms is None else _utc(next_slot_ms)
+    return _utc(slot_ms) + timedelta(seconds=float(value))
+
+
+def message_expiry_ms(
+    option: Any, anarchon_expiry: datetime | None, sent_at_ms: int | None
+) -> int | None:
+    """When a run's message expires, epoch milliseconds (UTC), or None
+    (never, or not known).
+
+    The same precedence as the scheduler's send: the entry's own Celery
+    ``expires`` option wins over ``anarchon_expires``.
+
+    Args:
+        option: the entry's ``options['expires']``: None, seconds counted
+            from the send (Celery's meaning), or an aware datetime; a naive
+            datetime or any other value gives None (its zone is the
+            worker's to judge).
+        anarchon_expiry: the run's ``anarchon_expires`` as an aware
+            datetime (:func:`expires_for`), or None.
+        sent_at_ms: when the run was sent, epoch milliseconds, or None.
+    """
+    if option is None:
+        if anarchon_expiry is None:
+            return None
+        return int(anarchon_expiry.timestamp() * 1000)
+    if isinstance(option, bool):
+        return None
+    if isinstance(option, (int, float)):
+        return None if sent_at_ms is None else sent_at_ms + int(option * 1000)
+    if isinstance(option, datetime) and option.tzinfo is not None:
+        return int(option.timestamp() * 1000)
+    return None
+
+
+def send_slot(
+    app: Any,
+    entry: beat.ScheduleEntry,
+    *,
+    job: str,
+    slot_ms: int,
+    token: int | str | None,
+    task_id: str,
+    producer: Any = None,
+    expires: datetime | None = None,
+    retry: bool | None = None,
+) -> Any:
+    """Send ``entry``'s task for one slot through Celery's own path.
+
+    ``apply_async`` with the entry's args, kwargs and options (routing,
+    queue, expires, ...) untouched, plus the task id and the headers
+    ``anarchon_job``, ``anarchon_slot`` (epoch ms), ``anarchon_token`` and
+    Celery beat's own ``celery_beat_task``. ``retry`` (when not None)
+    replaces the entry's and ``task_publish_retry``: the scheduler passes
+    False and retries itself, bounded (:class:`~celery_anarchon.beat.publisher.Publisher`).
+
+    Returns:
+        the ``AsyncResult``.
+    Raises:
+        Exception: whatever ``apply_async`` raises (broker errors).
+    """
+    options = dict(entry.options or {})
+    headers = dict(options.pop("headers", None) or {})
+    headers.update(
+        {"celery_beat_task": True, HEADER_JOB: job, HEADER_SLOT: slot_ms, HEADER_TOKEN: token}
+    )
+    options.pop("task_id", None)
+    if expires is not None:  # anarchon_expires; the entry's own option wins
+        options.setdefault("expires", expires)
+    if retry is not None:
+        options["retry"] = retry
+    args = beat._evaluate_entry_args(entry.args)
+    kwargs = beat._evaluate_entry_kwargs(entry.kwargs)
+    task = app.tasks.get(entry.task)
+    if task is not None:
+        return task.apply_async(
+            args, kwargs, producer=producer, task_id=task_id, headers=headers, **options
+        )
+    return app.send_task(
+        entry.task, args, kwargs, producer=producer, task_id=task_id, headers=headers, **options
+    )

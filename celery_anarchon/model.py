@@ -1,0 +1,210 @@
+"""The schedule as the scheduler runs it: entries, jobs and their windows.
+
+:class:`Entry` is Celery's ``ScheduleEntry`` with the ``'anarchon'`` key and
+the schedules Celery lacks (cron strings, one-off datetimes); :class:`Job`
+is one entry with its slot arithmetic and effective options, and answers
+the windows of one slot (its deadline, its claim request).
+:func:`build_jobs` validates a whole ``beat_schedule``. Beat, the control
+API and the CLI all read the schedule through this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+from zoneinfo import ZoneInfo
+
+from celery import beat
+
+from .backends.base import ClaimRequest
+from .exceptions import ConfigurationError
+from .message import expires_for
+from .settings import JobOptions, Settings
+from .slots import Slots, cron, oneoff, slots_for
+from .times import ms as _ms
+
+__all__ = ["KEEP_MARGIN_MS", "Entry", "Job", "app_zone", "build_jobs"]
+
+#: Extra time a claim record is kept after the last instant a late instance
+#: could still try it, milliseconds.
+KEEP_MARGIN_MS = 60_000
+
+
+class Entry(beat.ScheduleEntry):
+    """A ``beat_schedule`` entry that also takes an ``'anarchon'`` key (per-job
+    options) and schedules Celery itself does not: cron strings and one-off
+    datetimes.
+
+    Celery's own scheduler rejects the ``'anarchon'`` key: remove it when
+    switching back.
+    """
+
+    def __init__(
+        self,
+        name: str | None = None,
+        task: str | None = None,
+        last_run_at: datetime | None = None,
+        total_run_count: int | None = None,
+        schedule: Any = None,
+        args: Any = (),
+        kwargs: Any = None,
+        options: Any = None,
+        relative: bool = False,
+        app: Any = None,
+        anarchon: Mapping[str, Any] | None = None,
+    ) -> None:
+        if isinstance(schedule, str):
+            schedule = cron(schedule)
+        elif isinstance(schedule, datetime):
+            schedule = oneoff(schedule)
+        elif not isinstance(schedule, (int, float, timedelta)) and not hasattr(schedule, "is_due"):
+            raise ConfigurationError(
+                f"beat_schedule[{name!r}]['schedule']: {schedule!r} is not a schedule. Fix: "
+                "give seconds, a timedelta, a crontab/solar/cron object, a cron string "
+                "or an aware datetime."
+            )
+        self.anarchon = dict(anarchon or {})
+        super().__init__(
+            name=name,
+            task=task,
+            last_run_at=last_run_at,
+            total_run_count=total_run_count,
+            schedule=schedule,
+            args=args,
+            kwargs=kwargs,
+            options=options,
+            relative=relative,
+            app=app,
+        )
+
+    def update(self, other: beat.ScheduleEntry) -> None:
+        super().update(other)
+        self.anarchon = dict(getattr(other, "anarchon", {}))
+
+    def editable_fields_equal(self, other: beat.ScheduleEntry) -> bool:
+        return super().editable_fields_equal(other) and self.anarchon == getattr(
+            other, "anarchon", {}
+        )
+
+    def __reduce__(self) -> Any:
+        cls, args = super().__reduce__()
+        return _rebuild_entry, (cls, args, self.anarchon)
+
+
+def _rebuild_entry(cls: type[Entry], args: tuple[Any, ...], anarchon: dict[str, Any]) -> Entry:
+    entry = cls(*args)
+    entry.anarchon = anarchon
+    return entry
+
+
+@dataclass
+class Job:
+    """One scheduled job as the scheduler runs it.
+
+    Attributes:
+        name: the ``beat_schedule`` key.
+        entry: the Celery entry (task, args, options).
+        slots: the job's slot arithmetic.
+        options: its effective options.
+        definition: a stable text of its definition (same on every host that
+            runs the same schedule), for drift detection.
+        next_slot_ms: the next slot to act on, epoch ms, or None when done.
+    """
+
+    name: str
+    entry: Entry
+    slots: Slots
+    options: JobOptions
+    definition: str
+    next_slot_ms: int | None = None
+
+    def deadline_ms(self, slot_ms: int) -> int:
+        """The last instant ``slot_ms`` may still be sent: ``slot + max_late``,
+        epoch ms. Later, the slot is missed (or, claimed, recorded lost)."""
+        return slot_ms + _ms(self.options.max_late)
+
+    def claim_request(self, slot_ms: int, max_skew: float) -> ClaimRequest:
+        """The claim request for ``slot_ms`` with this job's windows."""
+        o = self.options
+        jitter_ms, late_ms, skew_ms = _ms(o.jitter), _ms(o.max_late), _ms(max_skew)
+        return ClaimRequest(
+            job=self.name,
+            slot_ms=slot_ms,
+            window_before_ms=late_ms + jitter_ms,
+            window_after_ms=skew_ms,
+            keep_until_ms=slot_ms + jitter_ms + late_ms + skew_ms + KEEP_MARGIN_MS,
+            lease_ms=_ms(o.lease_ttl),
+            history_size=o.history_size,
+            history_ttl_ms=_ms(o.history_ttl),
+        )
+
+    def catch_up_request(self, slot_ms: int, now_ms: int, max_skew: float) -> ClaimRequest:
+        """The claim request for a slot claimed late on purpose (catch-up, or
+        a take-over past ``max_late`` to record it lost): its window reaches
+        back from ``now_ms`` to ``slot_ms``."""
+        request = self.claim_request(slot_ms, max_skew)
+        back_ms = now_ms - slot_ms + request.window_before_ms
+        keep_ms = now_ms + request.keep_until_ms - slot_ms
+        return dataclasses.replace(request, window_before_ms=back_ms, keep_until_ms=keep_ms)
+
+    def window_end_ms(self, slot_ms: int, max_skew: float) -> int:
+        """The last instant any instance may still claim ``slot_ms``
+        (``max_late + jitter + max_skew`` after it), epoch ms."""
+        o = self.options
+        return slot_ms + _ms(o.max_late + o.jitter + max_skew)
+
+    def expires(self, slot_ms: int) -> datetime | None:
+        """When the message of the run at ``slot_ms`` expires
+        (``anarchon_expires``, see :func:`~celery_anarchon.message.expires_for`),
+        or None."""
+        if self.options.expires is None:
+            return None
+        following = self.slots.next_after(slot_ms) if self.options.expires == "next_slot" else None
+        return expires_for(self.options, slot_ms, following)
+
+    def keep_until_ms(self, slot_ms: int, max_skew: float) -> int:
+        """Until when a record of ``slot_ms`` must be kept, epoch ms."""
+        return self.claim_request(slot_ms, max_skew).keep_until_ms
+
+
+def app_zone(app: Any) -> ZoneInfo:
+    """The app's ``timezone`` as a ZoneInfo (UTC when unset)."""
+    name = app.conf.timezone or "UTC"
+    try:
+        return ZoneInfo(str(name))
+    except Exception as exc:
+        raise ConfigurationError(
+            f"timezone: unknown time zone {name!r}; use an IANA name such as 'Europe/Berlin'."
+        ) from exc
+
+
+def build_jobs(
+    entries: Mapping[str, beat.ScheduleEntry], settings: Settings, zone: ZoneInfo
+) -> dict[str, Job]:
+    """Validate every entry and build its :class:`Job`.
+
+    Raises:
+        ConfigurationError: a bad schedule or per-job option, naming the job.
+    """
+    jobs = {}
+    shared: dict[Any, Slots] = {}  # one Slots per distinct definition
+    for name, entry in entries.items():
+        overrides = getattr(entry, "anarchon", None)
+        options = settings.job_options(name, overrides)
+        slots = slots_for(
+            entry.schedule, job=name, tz=zone, anchor_ms=options.anchor_ms, shared=shared
+        )
+        text = "\x00".join(
+            [
+                slots.describe(),  # what definition() gives, without building again
+                str(entry.task),
+                repr(entry.args),
+                repr(sorted((entry.kwargs or {}).items())),
+            ]
+        )
+        jobs[name] = Job(name, entry, slots, options, hashlib.sha1(text.encode()).hexdigest()[:12])
+    return jobs

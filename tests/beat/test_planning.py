@@ -1,0 +1,125 @@
+"""Planning: each job's first slot at start-up, the catch-up gap after every
+instance was down, and the claim delay (jitter) kept in the agenda, never
+slept."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from celery_anarchon.backends.base import State
+from celery_anarchon.beat.scheduler import Scheduler
+
+from .support import (
+    Clock,
+    at,
+    run_restart,
+    sent_messages,
+    sent_slots,
+    sqlite_app,
+    states,
+)
+
+
+def test_start_up_never_records_old_slots_as_missed(
+    t0: float, tmp_path: Path, every_second: dict[str, Any]
+) -> None:
+    app = sqlite_app(tmp_path, every_second, anarchon_max_late=3)
+    clock = Clock(t0 + 0.5)
+    s = Scheduler(app, clock=clock)
+    try:
+        s.tick()
+        history = s.backend.history("tick")  # type: ignore[union-attr]
+        assert {r.state for r in history} == {State.SENT}
+        # The slots inside max_late before start-up are sent, nothing older.
+        assert sorted(r.slot_ms for r in history) == [int((t0 + i) * 1000) for i in (-2, -1, 0)]
+    finally:
+        s.close()
+
+
+def test_jitter_delays_the_claim_inside_the_heap(t0: float, tmp_path: Path) -> None:
+    schedule = {"j": {"task": "proj.j", "schedule": 60.0, "anarchon": {"jitter": 5}}}
+    app = sqlite_app(tmp_path, schedule, anarchon_max_late=10)
+    slot = (int(t0) // 60 + 1) * 60  # the next whole minute
+    clock = Clock(slot - 1.0)
+    s = Scheduler(app, clock=clock)
+    try:
+        clock.now = slot
+        wait = s.tick()
+        assert 0 <= wait <= 5
+        clock.now = slot + 5
+        s.tick()
+        assert [h["anarchon_slot"] for h in sent_messages(app)] == [slot * 1000]
+    finally:
+        s.close()
+
+
+def test_a_job_more_frequent_than_the_jitter_never_falls_behind(
+    t0: float, tmp_path: Path, every_second: dict[str, Any]
+) -> None:
+    # Claim delays up to 5 s on a one-second job: each slot's claim waits in
+    # the heap while the job's next slots keep falling due on time.
+    app = sqlite_app(tmp_path, every_second, anarchon_jitter=5, anarchon_max_late=10)
+    clock = Clock(t0 - 10)
+    s = Scheduler(app, clock=clock)
+    try:
+        for step in range(0, 7):
+            clock.now = t0 + step
+            s.tick()
+            assert s.jobs["tick"].next_slot_ms == int((t0 + step + 1) * 1000)
+        clock.now = t0 + 12
+        s.tick()
+        sent = sorted(h["anarchon_slot"] for h in sent_messages(app))
+        window = [x for x in sent if t0 * 1000 <= x < (t0 + 7) * 1000]
+        assert window == [int((t0 + i) * 1000) for i in range(7)]  # every one, none missed
+    finally:
+        s.close()
+
+
+@pytest.mark.services
+def test_catch_up_latest(url: str) -> None:
+    app, s, r = run_restart(url, "latest")
+    try:
+        sent = sent_slots(app)
+        # ten: 09:50 once (catch-up); one: 09:52 normally, nothing added.
+        assert sorted(sent) == sorted([("ten-latest", at(r, -130)), ("one-latest", at(r, -10))])
+        ten = states(s, "ten-latest")
+        assert ten[at(r, -730)] is State.MISSED  # 09:40
+        assert ten[at(r, -130)] is State.SENT  # 09:50
+        one = states(s, "one-latest")
+        assert [one[at(r, -730 + 60 * i)] for i in range(12)] == [State.MISSED] * 12
+        assert one[at(r, -10)] is State.SENT
+        assert s.jobs["ten-latest"].next_slot_ms == at(r, 470)  # 10:00, not 09:59
+        # A second restart sends none of it again.
+        s2 = Scheduler(app, clock=Clock(float(r)))
+        s2.tick()
+        assert sent_slots(app) == []
+        s2.close()
+    finally:
+        s.close()
+
+
+@pytest.mark.services
+def test_catch_up_all_with_a_limit(url: str) -> None:
+    app, s, r = run_restart(url, "all")
+    try:
+        one = [slot for job, slot in sent_slots(app) if job == "one-all"]
+        # 09:47 to 09:51 in order, then 09:52.
+        assert one == [at(r, -310 + 60 * i) for i in range(5)] + [at(r, -10)]
+        history = states(s, "one-all")
+        assert [history[at(r, -730 + 60 * i)] for i in range(7)] == [State.MISSED] * 7
+    finally:
+        s.close()
+
+
+@pytest.mark.services
+def test_catch_up_none_records_the_gap_as_missed(url: str) -> None:
+    app, s, r = run_restart(url, "none")
+    try:
+        assert sent_slots(app) == [("one-none", at(r, -10))]
+        ten = states(s, "ten-none")
+        assert (ten[at(r, -730)], ten[at(r, -130)]) == (State.MISSED, State.MISSED)
+    finally:
+        s.close()

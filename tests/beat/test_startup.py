@@ -1,0 +1,92 @@
+"""Start-up: validation of settings and schedules (every problem named at
+once), lazy construction, a missing driver named with its extra."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from celery_anarchon.beat.scheduler import Scheduler
+from celery_anarchon.exceptions import ConfigurationError
+
+from .support import (
+    sqlite_app,
+)
+
+
+def test_jitter_must_stay_below_max_late(tmp_path: Path) -> None:
+    schedule = {"j": {"task": "proj.j", "schedule": 60.0, "anarchon": {"jitter": 5}}}
+    with pytest.raises(ConfigurationError, match="'j'.*jitter.*max_late"):
+        Scheduler(sqlite_app(tmp_path, schedule, anarchon_max_late=5))
+
+
+def test_lazy_construction_connects_nothing(every_second: dict[str, Any], tmp_path: Path) -> None:
+    app = sqlite_app(tmp_path, every_second, anarchon_backend="redis://127.0.0.1:1/0")
+    s = Scheduler(app, lazy=True)
+    assert s.backend is None
+    assert "anarchon" in s.info
+    s.close()
+    s.close()
+
+
+@pytest.mark.parametrize(
+    ("schedule", "words"),
+    [
+        ("0 0 31 2 *", ["'bad'", "schedule"]),
+        ("every day", ["'bad'", "schedule"]),
+        (0, ["'bad'"]),
+        (-5.0, ["'bad'"]),
+    ],
+)
+def test_bad_schedules_are_refused_at_start_up(
+    tmp_path: Path, schedule: object, words: list[str]
+) -> None:
+    app = sqlite_app(tmp_path, {"bad": {"task": "proj.bad", "schedule": schedule}})
+    with pytest.raises(ConfigurationError) as err:
+        Scheduler(app)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_unknown_per_entry_key_is_refused(tmp_path: Path) -> None:
+    schedule = {"sync": {"task": "proj.sync", "schedule": 5.0, "anarchon": {"jiter": 0}}}
+    with pytest.raises(ConfigurationError, match="'sync'.*jiter"):
+        Scheduler(sqlite_app(tmp_path, schedule))
+
+
+def test_start_up_names_every_bad_entry_at_once(tmp_path: Path) -> None:
+    schedule = {
+        "typo": {"task": "t", "schedul": 5.0},
+        "hour25": {"task": "t", "schedule": "*/15 25 * * *"},
+        "jiter": {"task": "t", "schedule": 5.0, "anarchon": {"jiter": 1}},
+    }
+    with pytest.raises(ConfigurationError) as err:
+        Scheduler(sqlite_app(tmp_path, schedule))
+    message = str(err.value)
+    assert "3 configuration problem(s)" in message
+    for words in ("'typo'", "Did you mean 'schedule'", "'hour25'", "hour 0-23", "'jiter'"):
+        assert words in message
+
+
+def test_a_missing_database_driver_names_the_extra(
+    tmp_path: Path, every_second: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The driver is installed here, so hide it: the one failure a real
+    # install cannot show on this machine.
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "psycopg" else real(name, *a)
+    )
+    app = sqlite_app(tmp_path, every_second, anarchon_backend="postgresql://db/proj")
+    with pytest.raises(ConfigurationError, match=r"psycopg.*celery-anarchon\[postgres\]"):
+        Scheduler(app)
+
+
+def test_a_schedule_of_the_wrong_type_names_the_job(tmp_path: Path) -> None:
+    schedule = {"listed": {"task": "t", "schedule": [5]}}
+    with pytest.raises(ConfigurationError, match=r"'listed'.*\[5\] is not a schedule"):
+        Scheduler(sqlite_app(tmp_path, schedule))
