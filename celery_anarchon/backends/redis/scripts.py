@@ -38,6 +38,8 @@ _LUA_RANKS = "{" + ", ".join(f"{s.value} = {s.rank}" for s in State if s.rank < 
 #   set_guard(k, v, t, n)    set claim key k to v, expiring at t (or later,
 #       if it already expires later); deleted when t is not ahead of now
 #   outside_window(slot, now, before, after)   the claim window test
+#   fenced_run(runs, slot, state, token)   the decoded record of a slot when
+#       it is in state with this fencing token, else nil
 _LUA_HELPERS = """
 local function now_ms()
     local t = redis.call('TIME')
@@ -48,6 +50,19 @@ local function int(x)
     return string.format('%d', x)
 end
 
+local function fenced_run(runs, slot, state, token)
+    -- The record at `slot` in `runs`, decoded, when it is in `state` with
+    -- fencing token `token` (a decimal string); nil otherwise.
+    local raw = redis.call('HGET', runs, slot)
+    if not raw then
+        return nil
+    end
+    local run = cjson.decode(raw)
+    if run.state ~= state or run.token == nil or int(run.token) ~= token then
+        return nil
+    end
+    return run
+end
 local function keep_key_until(key, until_ms, now, headroom)
     until_ms = math.max(until_ms, now + 1)
     local pttl = redis.call('PTTL', key)
@@ -288,12 +303,8 @@ return 1
 # started_at_ms = now too), 0 when the record is not 'running' with this
 # token, or (restart) its lease has not expired.
 LUA_EXTEND_SCRIPT = """
-local raw = redis.call('HGET', KEYS[1], ARGV[1])
-if not raw then
-    return 0
-end
-local run = cjson.decode(raw)
-if run.state ~= 'running' or run.token == nil or int(run.token) ~= ARGV[2] then
+local run = fenced_run(KEYS[1], ARGV[1], 'running', ARGV[2])
+if not run then
     return 0
 end
 local now = now_ms()
@@ -355,12 +366,8 @@ return 1
 # next claim gets token + 1), 0 when the record is not 'claimed' with this
 # token.
 LUA_RELEASE_SCRIPT = """
-local raw = redis.call('HGET', KEYS[2], ARGV[1])
-if not raw then
-    return 0
-end
-local run = cjson.decode(raw)
-if run.state ~= 'claimed' or run.token == nil or int(run.token) ~= ARGV[2] then
+local run = fenced_run(KEYS[2], ARGV[1], 'claimed', ARGV[2])
+if not run then
     return 0
 end
 redis.call('HDEL', KEYS[2], ARGV[1])
@@ -443,12 +450,8 @@ return out
 # 'claimed', and its lease ends more than margin_ms after the server's now;
 # 0 otherwise. Reads only.
 LUA_HOLDING_SCRIPT = """
-local raw = redis.call('HGET', KEYS[1], ARGV[1])
-if not raw then
-    return 0
-end
-local run = cjson.decode(raw)
-if run.state ~= 'claimed' or run.token == nil or int(run.token) ~= ARGV[2] then
+local run = fenced_run(KEYS[1], ARGV[1], 'claimed', ARGV[2])
+if not run then
     return 0
 end
 if (run.lease_until_ms or 0) <= now_ms() + tonumber(ARGV[3]) then
