@@ -268,18 +268,7 @@ def make_app(url: str, schedule: dict[str, Any], **conf: Any) -> Celery:
 
 def sent_slots(app: Celery) -> list[tuple[str, int]]:
     """``(job, slot)`` of every message on the app's queue, in queue order."""
-    out = []
-    with Connection("memory://") as conn:
-        queue = conn.SimpleQueue(app.conf.task_default_queue)
-        while True:
-            try:
-                message = queue.get(timeout=0.05)
-            except queue.Empty:
-                break
-            out.append((message.headers["anarchon_job"], message.headers["anarchon_slot"]))
-            message.ack()
-        queue.close()
-    return out
+    return [(h["anarchon_job"], h["anarchon_slot"]) for h in sent_messages(app)]
 
 
 def record_sent(backend: Backend, job: str, slot_ms: int) -> None:
