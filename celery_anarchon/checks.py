@@ -41,6 +41,7 @@ __all__ = [
 #: Keys a ``beat_schedule`` entry may have (those of the scheduler's Entry).
 ENTRY_KEYS = frozenset(inspect.signature(Entry.__init__).parameters) - {"self", "name", "app"}
 
+
 def one_line(exc: BaseException) -> str:
     """The first line of ``exc``'s message, credentials masked."""
     lines = str(exc).strip().splitlines()
