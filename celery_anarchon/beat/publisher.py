@@ -26,6 +26,7 @@ from ..metrics import Metrics
 from ..times import iso as _iso
 from ..times import ms as _ms
 from .agenda import SEND_FAILED, Agenda, Slot
+from .batch import BatchWriter, Outcome
 from .claiming import Claimer
 from .journal import Journal
 from .link import BackendLink
@@ -104,6 +105,49 @@ def _refused(exc: BaseException) -> bool:
     return False
 
 
+class _WriteRules:
+    """The send path's age rules for one :meth:`BatchWriter.write` of
+    ``pending`` slots claimed at ``claimed_at`` (see
+    :meth:`Publisher._send_batched`)."""
+
+    def __init__(
+        self, publisher: Publisher, pending: Sequence[Slot], claimed_at: float, lease_s: float
+    ) -> None:
+        self._publisher = publisher
+        self._pending = pending
+        self._claimed_at = claimed_at
+        self._lease_s = lease_s
+        #: the batch went past GIVE_BACK_SHARE: what was not tried is given back
+        self.gave_back = False
+        #: slots of a write given up past VERIFY_SHARE / PUBLISH_BY
+        self.stale: list[Slot] = []
+
+    def _held_s(self) -> float:
+        return self._publisher._clock() - self._claimed_at
+
+    def keep_going(self, index: int) -> bool:
+        """May ``pending[index]`` (and those after it) still be buffered?"""
+        if held_past(self._held_s(), self._lease_s, GIVE_BACK_SHARE):
+            self.gave_back = True
+            return False
+        if Publisher.before_send is not None:
+            Publisher.before_send(self._pending[index])
+        return True
+
+    def may_write(self, indexes: Sequence[int]) -> bool:
+        """May the write of ``pending[i] for i in indexes`` go ahead?"""
+        held_s = self._held_s()
+        if not held_past(held_s, self._lease_s, VERIFY_SHARE):
+            return True
+        chunk = [self._pending[i] for i in indexes]
+        if not held_past(held_s, self._lease_s, PUBLISH_BY) and all(
+            self._publisher._still_hold(chunk)
+        ):
+            return True
+        self.stale.extend(chunk)
+        return False
+
+
 class Publisher:
     """Sends won slots; owns the publish pause and the failed sends.
 
@@ -121,6 +165,9 @@ class Publisher:
             connects if needed, bounded).
         drop_producer: forget the producer and its connection after a
             failed publish, so the next one makes both afresh.
+        connection: beat's broker connection, not connected by the call
+            (Celery's ``Scheduler.connection``): its transport decides the
+            send path (:meth:`BatchWriter.mode`); None: message by message.
     """
 
     #: Called with each slot right before it is sent (a seam for tests that
@@ -139,6 +186,7 @@ class Publisher:
         clock: Callable[[], float],
         producer: Callable[[], Any],
         drop_producer: Callable[[], None],
+        connection: Callable[[], Any] | None = None,
     ) -> None:
         self._app = app
         self._instance_id = instance_id
@@ -150,11 +198,14 @@ class Publisher:
         self._clock = clock
         self._producer = producer
         self._drop_producer = drop_producer
+        self._connection = connection
         #: no publish is tried before this time.monotonic() (broker away), and why
         self._paused_until = 0.0
         self._pause_reason = ""
         #: claims whose send failed, left to a backup, by (job, slot)
         self.failed: dict[tuple[str, int], Slot] = {}
+        #: the batched send path (Redis pipelines, AMQP publisher confirms)
+        self._writer = BatchWriter(self._publish_one)
 
     def send_all(self, won: Sequence[Slot], claimed_at: float) -> int:
         """Send won slots in order, recording ``sent`` in chunks; how many
@@ -162,7 +213,21 @@ class Publisher:
         shortest lease of the batch (this instance is slower than measured,
         e.g. a loaded machine), the rest is given back
         (:meth:`Claimer.give_back`) instead of being sent on a lease
-        running short."""
+        running short.
+
+        On a broker with a batched path (:meth:`BatchWriter.mode`: Redis,
+        or AMQP with publisher confirms) the batch goes out in writes of
+        :data:`~celery_anarchon.beat.batch.FLUSH_EVERY` messages
+        (:meth:`_send_batched`); on any other, message by message
+        (:meth:`send`)."""
+        if won and time.monotonic() >= self._paused_until:
+            mode = self._batch_mode()
+            if mode is not None:
+                return self._send_batched(won, claimed_at)
+        return self._send_each(won, claimed_at)
+
+    def _send_each(self, won: Sequence[Slot], claimed_at: float) -> int:
+        """Send won slots message by message (:meth:`send`); how many."""
         lease_s = min((slot.job.options.lease_ttl for slot in won), default=0.0)
         for index, slot in enumerate(won):
             if held_past(self._clock() - claimed_at, lease_s, GIVE_BACK_SHARE):
@@ -170,6 +235,179 @@ class Publisher:
                 return index
             self.send(slot, claimed_at)
         return len(won)
+
+    def _batch_mode(self) -> str | None:
+        """The broker's batched path, or None (message by message); judged
+        from the transport, without connecting."""
+        if self._connection is None:
+            return None
+        return BatchWriter.mode(self._connection())
+
+    def _send_batched(self, won: Sequence[Slot], claimed_at: float) -> int:
+        """Send ``won`` through the :class:`BatchWriter`; how many were sent.
+
+        The rules of :meth:`send` hold per message and per write:
+        :data:`GIVE_BACK_SHARE` is judged before each message is buffered
+        (the rest is given back), and right before each write the batch's
+        age is judged once: past :data:`PUBLISH_BY`, or past
+        :data:`VERIFY_SHARE` with any of the write's claims no longer held
+        (one :meth:`Backend.holding` read), nothing of that write is written
+        and its slots are left to a backup. Outcomes:
+
+        * sent: recorded ``sent`` (:meth:`Journal.record_sent`, in chunks);
+        * refused by the serializer: that slot alone is recorded ``lost``
+          with the error; the publisher is not paused;
+        * in doubt (a failed or unanswered write, a nack, no confirm): each
+          recorded ``lost`` at once, never sent again; the publisher pauses;
+        * certainly not written: tried once more on a new connection
+          (:data:`PUBLISH_ATTEMPTS`), then left to a backup.
+        """
+        lease_s = min(slot.job.options.lease_ttl for slot in won)
+        sent = 0
+        pending: list[Slot] = list(won)
+        for attempt in range(1, PUBLISH_ATTEMPTS + 1):
+            try:
+                producer = self._producer()
+            except Exception as exc:
+                self._pause(exc)
+                for slot in pending:
+                    self._on_send_failed(slot, exc)
+                return sent
+            rules = _WriteRules(self, pending, claimed_at, lease_s)
+            try:
+                outcomes = self._writer.write(producer, pending, rules.keep_going, rules.may_write)
+            except ValueError:  # kombu would write at once: message by message
+                return sent + self._send_each(pending, claimed_at)
+            stale = rules.stale
+            retry: list[Slot] = []
+            for slot, (outcome, error) in zip(pending, outcomes, strict=True):
+                if outcome is Outcome.SENT:
+                    self._on_sent(slot)
+                    sent += 1
+                elif outcome is Outcome.REFUSED:
+                    assert error is not None
+                    self._on_refused(slot, error)
+                elif outcome is Outcome.IN_DOUBT:
+                    assert error is not None
+                    self._metrics.send_failed(slot.job.name)
+                    self._pause(error)
+                    self._on_publish_in_doubt(slot, error)
+                elif outcome is Outcome.NOT_SENT:
+                    retry.append(slot)
+            if self._writer.broken:
+                self._writer.reset()
+                self._drop_producer()
+            for slot in stale:
+                logger.warning(
+                    "anarchon: %s @ %s held %.1fs of a %.0fs lease before its send; not sent "
+                    "by this instance (left to a backup)",
+                    slot.job.name,
+                    _iso(slot.slot_ms),
+                    self._clock() - claimed_at,
+                    lease_s,
+                )
+                self._on_send_failed(slot, TimeoutError("lease ended"))
+            stale_ids = {id(slot) for slot in stale}
+            untried = [
+                slot
+                for slot, (outcome, _) in zip(pending, outcomes, strict=True)
+                if outcome is Outcome.UNTRIED and id(slot) not in stale_ids
+            ]
+            if untried and (rules.gave_back or stale):
+                self._claimer.give_back(untried)
+            elif untried:
+                retry.extend(untried)
+            if not retry:
+                return sent
+            if attempt == PUBLISH_ATTEMPTS or held_past(
+                self._clock() - claimed_at, lease_s, GIVE_BACK_SHARE
+            ):
+                error = next((e for o, e in outcomes if o is Outcome.NOT_SENT and e), None)
+                failure = error or ConnectionError("the batch's write failed")
+                self._pause(failure)
+                for slot in retry:
+                    self._metrics.send_failed(slot.job.name)
+                    self._on_send_failed(slot, failure)
+                return sent
+            logger.info(
+                "anarchon: publishing %d slot(s) failed; again on a new broker connection",
+                len(retry),
+            )
+            pending = retry
+        return sent
+
+    def _publish_one(self, slot: Slot, producer: Any) -> None:
+        """The batch writer's publish: one won slot's message on ``producer``."""
+        job, claim = slot.job, slot.claim
+        assert claim is not None
+        slot.task_id = task_id_for(job.name, slot.slot_ms)
+        # From here on not released on shutdown (see :meth:`send`).
+        self._claimer.held.pop(slot.key, None)
+        send_slot(
+            self._app,
+            job.entry,
+            job=job.name,
+            slot_ms=slot.slot_ms,
+            token=claim.token,
+            task_id=slot.task_id,
+            producer=producer,
+            expires=job.expires(slot.slot_ms),
+            retry=False,
+        )
+
+    def _pause(self, exc: BaseException) -> None:
+        """No publish is tried for :data:`PUBLISH_PAUSE` seconds."""
+        self._pause_reason = repr(exc)
+        self._paused_until = time.monotonic() + PUBLISH_PAUSE
+
+    def _on_sent(self, slot: Slot) -> None:
+        """A slot's message reached the broker: count, log, record ``sent``."""
+        job = slot.job
+        self._metrics.won(job.name, self._clock() - slot.slot_ms / 1000)
+        logger.info(
+            "anarchon: sent %s @ %s (task %s, id %s, by %s)",
+            job.name,
+            _iso(slot.slot_ms),
+            job.entry.task,
+            slot.task_id,
+            self._instance_id,
+        )
+        self._journal.record_sent(slot)
+
+    def _on_refused(self, slot: Slot, exc: BaseException) -> None:
+        """The serializer refused a slot's message: nothing was written, and
+        trying again cannot help. That slot alone is recorded ``lost`` with
+        the error; the publisher goes on (no pause)."""
+        assert slot.claim is not None
+        self._metrics.send_failed(slot.job.name)
+        error = f"the message could not be serialized: {exc!r}"
+        logger.error(
+            "anarchon: %s @ %s: %s; recorded lost (fix the entry's args/kwargs or its serializer)",
+            slot.job.name,
+            _iso(slot.slot_ms),
+            error,
+        )
+        self._journal.mark(slot.claim, State.LOST, task_id=slot.task_id, error=error)
+
+    def _still_hold(self, slots: Sequence[Slot]) -> list[bool]:
+        """For each slot, whether its claim is still held (as
+        :meth:`_still_holds`, one :meth:`Backend.holding` read for all);
+        all False when the backend does not answer."""
+        backend = self._link.lease_backend
+        if backend is None:
+            return [True] * len(slots)
+        claims = [slot.claim for slot in slots if slot.claim is not None]
+        margin_ms = _ms(min(slot.job.options.lease_ttl for slot in slots) / 10)
+        try:
+            answers = backend.holding(claims, margin_ms)
+        except BackendUnavailable as exc:
+            self._link.on_outage(exc)
+        except Exception:
+            logger.exception("anarchon: reading the leases of %d claim(s) failed", len(claims))
+        else:
+            if len(answers) == len(claims):
+                return list(answers)
+        return [False] * len(slots)
 
     def send(self, slot: Slot, claimed_at: float) -> None:
         """Send a won slot; record ``sent`` (or ``lost`` when the send fails).
@@ -238,7 +476,7 @@ class Publisher:
         )
         self._journal.record_sent(slot)
 
-    def _on_send_failed(self, slot: Slot, exc: Exception) -> None:
+    def _on_send_failed(self, slot: Slot, exc: BaseException) -> None:
         """Sending a won slot failed (this instance cannot reach Celery's
         broker). On a lease backend the claim is left to expire, so a backup
         that can reach the broker takes the slot over and sends it; if none
@@ -270,7 +508,7 @@ class Publisher:
         due_ms = max(slot.lease_end_ms, job.deadline_ms(slot.slot_ms)) + 1000
         self._agenda.push(due_ms, Slot(job, slot.slot_ms, SEND_FAILED))
 
-    def _on_publish_in_doubt(self, slot: Slot, exc: Exception) -> None:
+    def _on_publish_in_doubt(self, slot: Slot, exc: BaseException) -> None:
         """A publish failed after it may have reached Celery's broker: the
         slot may be queued already. Recorded ``lost`` at once (in doubt,
         never send twice: docs/exactly-once.md), not left to a backup: a

@@ -221,6 +221,7 @@ class Scheduler(beat.Scheduler):
             clock,
             producer=lambda: self.producer,
             drop_producer=self._drop_producer,
+            connection=lambda: self.connection,
         )
         self.take_over = TakeOver(
             link,
