@@ -117,6 +117,7 @@ def send_slot(
     producer: Any = None,
     expires: datetime | None = None,
     retry: bool | None = None,
+    declare: Any = None,
 ) -> Any:
     """Send ``entry``'s task for one slot through Celery's own path.
 
@@ -126,6 +127,9 @@ def send_slot(
     Celery beat's own ``celery_beat_task``. ``retry`` (when not None)
     replaces the entry's and ``task_publish_retry``: the scheduler passes
     False and retries itself, bounded (:class:`~celery_anarchon.beat.publisher.Publisher`).
+    ``declare`` (when not None) is Celery's option of that name: the
+    entities to declare before publishing (``[]``: none, for a route the
+    connection declared already; the message is the same).
 
     Returns:
         the ``AsyncResult``.
@@ -142,6 +146,8 @@ def send_slot(
         options.setdefault("expires", expires)
     if retry is not None:
         options["retry"] = retry
+    if declare is not None:
+        options["declare"] = declare
     args = beat._evaluate_entry_args(entry.args)
     kwargs = beat._evaluate_entry_kwargs(entry.kwargs)
     task = app.tasks.get(entry.task)

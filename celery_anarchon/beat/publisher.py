@@ -206,6 +206,10 @@ class Publisher:
         self.failed: dict[tuple[str, int], Slot] = {}
         #: the batched send path (Redis pipelines, AMQP publisher confirms)
         self._writer = BatchWriter(self._publish_one)
+        #: routes (task, queue, exchange, routing key) whose queue was
+        #: declared on the connection ``_declared_on``
+        self._declared: set[tuple[str, str, str, str]] = set()
+        self._declared_on: Any = None
 
     def send_all(self, won: Sequence[Slot], claimed_at: float) -> int:
         """Send won slots in order, recording ``sent`` in chunks; how many
@@ -343,6 +347,20 @@ class Publisher:
         slot.task_id = task_id_for(job.name, slot.slot_ms)
         # From here on not released on shutdown (see :meth:`send`).
         self._claimer.held.pop(slot.key, None)
+        # Celery declares a message's queue before each publish (kombu copies
+        # and binds the queue each time, a fifth of a batch's CPU): once per
+        # route and connection is enough, the messages are the same. Only
+        # without task_routes: a router may pick a queue from the args.
+        if self._declared_on is not producer.connection:
+            self._declared_on, self._declared = producer.connection, set()
+        options = job.entry.options or {}
+        route = (
+            job.entry.task,
+            repr(options.get("queue")),
+            repr(options.get("exchange")),
+            repr(options.get("routing_key")),
+        )
+        declared = route in self._declared and not self._app.conf.task_routes
         send_slot(
             self._app,
             job.entry,
@@ -353,7 +371,9 @@ class Publisher:
             producer=producer,
             expires=job.expires(slot.slot_ms),
             retry=False,
+            declare=[] if declared else None,
         )
+        self._declared.add(route)
 
     def _pause(self, exc: BaseException) -> None:
         """No publish is tried for :data:`PUBLISH_PAUSE` seconds."""
@@ -486,6 +506,7 @@ class Publisher:
         at once."""
         job, claim = slot.job, slot.claim
         assert claim is not None
+        self._claimer.held.pop(slot.key, None)  # recorded lost if need be, never released
         slot.error = f"send failed: {exc!r}"
         if not self._link.leases:
             logger.error(
