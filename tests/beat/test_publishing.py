@@ -21,12 +21,13 @@ from celery_anarchon.beat.scheduler import Scheduler
 from celery_anarchon.message import task_id_for
 
 from ..conftest import require_service
-from ..faults.servers import Proxy
+from ..faults.servers import Proxy, RedisServer
 from .support import (
     BROKER_DB,
     Clock,
     CountingRefuser,
     SlowConnect,
+    Unserializable,
     jobs_app,
     next_slot,
     queued_slots,
@@ -245,5 +246,71 @@ def test_an_ambiguous_publish_failure_is_not_published_again(
         assert State.SUPERSEDED not in states  # no take-over on record
         assert sent == [("job-0000", slot_ms)], f"published {len(sent)} times: {sent}"
         assert states == [State.LOST]  # in doubt: recorded, not sent again
+    finally:
+        s.close()
+
+
+@pytest.mark.services
+def test_a_refused_connection_on_the_first_publish_after_a_broker_cut_is_left_to_a_backup(
+    own_redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 12, item 4: the first publish after Celery's broker went away
+    reconnects inside the publish and is refused (``OperationalError('Error
+    111 connecting ... Connection refused.')``). A connection that was never
+    made delivered nothing: the slot is left to a backup (claimed, on its
+    lease), as the later publishes with the same error are, not recorded
+    ``lost`` as a publish that may have reached the broker."""
+    require_service("redis")
+    queue = f"refused-{uuid.uuid4().hex[:8]}"
+    schedule = {name: {"task": "sp.run", "schedule": 3600.0} for name in ("before", "after")}
+    app = redis_app(f"redis://127.0.0.1:{own_redis.port}/0", queue, schedule)
+    now = float(int(time.time()))
+    s = Scheduler(app, clock=Clock(now))
+    try:
+        s.agenda.push(int(now * 1000), Slot(s.jobs["before"], int(now * 1000), CLAIM))
+        s.tick()
+        backend = s.backend
+        assert backend is not None
+        assert [r.state for r in backend.history("before")] == [State.SENT]
+        own_redis.crash()
+        with caplog.at_level(logging.ERROR, logger="celery_anarchon.beat"):
+            s.agenda.push(int(now * 1000), Slot(s.jobs["after"], int(now * 1000), CLAIM))
+            s.tick()
+        assert [r.state for r in backend.history("after")] == [State.CLAIMED], caplog.text
+        assert "may have reached the broker" not in caplog.text
+        assert "left for a backup" in caplog.text
+    finally:
+        s.close()
+
+
+@pytest.mark.services
+def test_args_the_serializer_refuses_fail_their_own_slot_only(
+    broker_queue: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 12, item 1: kombu's ``EncodeError`` (a custom object under
+    JSON) was taken for a broker outage, and every publish paused: the
+    other jobs sent almost nothing. It is the slot's own failure: recorded
+    ``lost`` with the serializer's error; the next slot in the same tick is
+    sent."""
+    schedule = {
+        "nonjson": {"task": "sp.run", "schedule": 3600.0, "args": [Unserializable()]},
+        "good": {"task": "sp.run", "schedule": 3600.0},
+    }
+    app = redis_app(f"redis://127.0.0.1:6379/{BROKER_DB}", broker_queue, schedule)
+    now = float(int(time.time()))
+    s = Scheduler(app, clock=Clock(now))
+    try:
+        with caplog.at_level(logging.ERROR, logger="celery_anarchon.beat"):
+            for name in ("nonjson", "good"):
+                s.agenda.push(int(now * 1000), Slot(s.jobs[name], int(now * 1000), CLAIM))
+            s.tick()
+        backend = s.backend
+        assert backend is not None
+        [bad] = backend.history("nonjson")
+        [good] = backend.history("good")
+        assert bad.state is State.LOST and "EncodeError" in (bad.error or ""), bad
+        assert good.state is State.SENT, caplog.text
+        assert queued_slots(broker_queue) == [int(now * 1000)]
+        assert "not tried again yet" not in caplog.text
     finally:
         s.close()
