@@ -11,6 +11,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from celery_anarchon.cli import (
 )
 from celery_anarchon.message import task_id_for
 
+from .beat.support import Unserializable
 from .beat_app import SCHEDULES
 from .beats import BROKER, REPO, BeatCluster, read_queue
 from .conftest import MYSQL_URL, POSTGRES_URL, REDIS_URL, require_service
@@ -110,6 +112,15 @@ BAD_ENTRIES = [
     ("unparsable", {"task": "t", "schedule": "every day"}, "cannot read cron 'every day'"),
     ("zero-interval", {"task": "t", "schedule": 0}, "interval 0"),
     ("negative-interval", {"task": "t", "schedule": -5.0}, "interval -5"),
+    ("nan-interval", {"task": "t", "schedule": float("nan")}, "interval nan s is not a finite"),
+    (
+        "infinite-interval",
+        {"task": "t", "schedule": float("inf")},
+        "interval inf s is not a finite",
+    ),
+    ("tiny-interval", {"task": "t", "schedule": 0.001}, "below the floor of 0.1 s"),
+    ("tiny-timedelta", {"task": "t", "schedule": timedelta(milliseconds=50)}, "interval 0.05 s"),
+    ("no-task", {"schedule": 5.0}, "no 'task'; every entry needs a task"),
     ("unknown-option", {"task": "t", "schedule": 5, "anarchon": {"jiter": 1}}, "jiter"),
     ("unknown-entry-key", {"task": "t", "schedul": 5}, "Did you mean 'schedule'"),
     (
@@ -118,6 +129,44 @@ BAD_ENTRIES = [
         "jitter (30.0s) must be below",
     ),
 ]
+
+
+def test_check_names_args_the_serializer_refuses() -> None:
+    """Issue 12, item 1: ``check`` passed args that JSON cannot encode; each
+    entry's args and kwargs are now encoded once with its serializer."""
+    app = check_app()
+    app.conf.beat_schedule = {
+        **app.conf.beat_schedule,
+        "nonjson": {"task": "t", "schedule": 5.0, "args": [Unserializable()]},
+        "nonjson-kwargs": {"task": "t", "schedule": 5.0, "kwargs": {"x": Unserializable()}},
+        "pickled": {
+            "task": "t",
+            "schedule": 5.0,
+            "args": [Unserializable()],
+            "options": {"serializer": "pickle"},
+        },
+    }
+    report = invoke_json(app, "check", code=EXIT_PROBLEM)
+    problems = {p["where"]: p["message"] for p in report["problems"]}
+    assert set(problems) == {"beat_schedule['nonjson']", "beat_schedule['nonjson-kwargs']"}
+    for message in problems.values():
+        assert "serializer 'json' refuses its args or kwargs" in message
+        assert "Unserializable is not JSON serializable" in message
+        assert "Fix:" in message
+
+
+def test_check_names_args_the_task_does_not_take() -> None:
+    app = check_app()
+
+    @app.task(name="t.none")
+    def takes_nothing() -> None:
+        """Takes no arguments."""
+
+    app.conf.beat_schedule = {"extra": {"task": "t.none", "schedule": 5.0, "args": [1]}}
+    report = invoke_json(app, "check", code=EXIT_PROBLEM)
+    [problem] = report["problems"]
+    assert problem["where"] == "beat_schedule['extra']"
+    assert "task 't.none' does not take its args or kwargs" in problem["message"]
 
 
 def check_app(**conf: Any) -> Celery:

@@ -134,3 +134,51 @@ def test_beat_embedded_in_a_worker(tmp_path: Path) -> None:
     assert "Traceback" not in text, text[-4000:]
     assert len(sent) >= 8, text[-4000:]
     assert text.count(" succeeded in ") >= 8, text[-4000:]  # the worker ran them
+
+
+def test_a_job_whose_args_the_serializer_refuses_stops_no_other_job(tmp_path: Path) -> None:
+    """Issue 12, item 1, with a real beat on a Redis broker: ``nonjson``'s
+    args are a custom object JSON cannot encode. Its ``EncodeError`` was
+    taken for a broker outage and paused every publish, so ``good`` sent
+    almost nothing. Now ``good`` keeps every slot; each of ``nonjson``'s is
+    recorded lost with the serializer's error, and beat names the problem
+    at start-up as ``check`` does."""
+    require_service("redis")
+    from celery_anarchon.backends import backend_from_url
+
+    from .beat.support import UNSERIALIZABLE_ARGS
+
+    url = backend_for("redis", tmp_path)
+    jobs = {"nonjson": 1.0, "good": 1.0}
+    conf = {
+        "beat_schedule": {name: {"task": "itest.any", "schedule": s} for name, s in jobs.items()},
+        UNSERIALIZABLE_ARGS: ["nonjson"],
+    }
+    cluster = BeatCluster(url, tmp_path, conf=conf)
+    try:
+        [proc] = cluster.start(1)
+        assert cluster.wait_ticking(timeout=60), cluster.logs()
+        started = time.time()
+        time.sleep(10)
+        stopped = time.time()
+        cluster.stop()
+        assert proc.returncode == 0, cluster.logs()
+        sent = count_sent(cluster.read_sent())
+    finally:
+        cluster.stop()
+    expected = expected_slots({"good": 1.0}, started + SETTLE_S, stopped - TAIL_S)["good"]
+    assert len(expected) >= 4
+    unsent = [slot for slot in expected if ("good", slot) not in sent]
+    assert unsent == [], cluster.logs()
+    assert not any(job == "nonjson" for job, _ in sent)
+    log = cluster.log_path(proc).read_text(errors="replace")
+    assert "beat_schedule['nonjson']: the serializer 'json' refuses its args" in log
+    assert "not tried again yet" not in log
+    reader = backend_from_url(url, instance="reader")
+    reader.open()
+    try:
+        records = reader.history("nonjson")
+    finally:
+        reader.close()
+    assert records and all(r.state.value == "lost" for r in records), records
+    assert all("EncodeError" in (r.error or "") for r in records), records

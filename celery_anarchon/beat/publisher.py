@@ -106,10 +106,12 @@ UNSENDABLE = "unsendable"
 def publish_failure(exc: BaseException, may_have_written: bool) -> str:
     """What a failed publish means for its slot: the one rule.
 
-    * :data:`UNSENDABLE`: the serializer refused the slot's args or kwargs
-      (kombu's ``EncodeError``): nothing was written and no attempt, here or
-      by a backup, can do better. The slot's own failure: recorded ``lost``
-      at once; the broker is fine and other slots keep being sent.
+    * :data:`UNSENDABLE`: the slot's message itself was refused, before
+      anything was written: by the serializer (kombu's ``EncodeError``, e.g.
+      a custom object under JSON) or by the task's argument check (Celery's
+      ``TypeError`` under ``strict_typing``). No attempt, here or by a
+      backup, can do better. The slot's own failure: recorded ``lost`` at
+      once; the broker is fine and other slots keep being sent.
     * :data:`UNSENT`: nothing was written: the publish failed before it
       could write (``may_have_written`` False), or the connection it needed
       was never made (refused, or the host name did not resolve), found
@@ -120,7 +122,7 @@ def publish_failure(exc: BaseException, may_have_written: bool) -> str:
     * :data:`IN_DOUBT`: anything else once the write may have begun: the
       message may be queued; never sent again (docs/exactly-once.md).
     """
-    if isinstance(exc, EncodeError):
+    if isinstance(exc, (EncodeError, TypeError)):
         return UNSENDABLE
     if not may_have_written:
         return UNSENT
@@ -138,7 +140,8 @@ def publish_failure(exc: BaseException, may_have_written: bool) -> str:
 
 
 class _Unsendable(Exception):
-    """The serializer refused a slot's args or kwargs (:data:`UNSENDABLE`)."""
+    """A slot's message was refused before it was written: its args or
+    kwargs (:data:`UNSENDABLE`)."""
 
     def __init__(self, cause: Exception) -> None:
         super().__init__(repr(cause))
@@ -343,17 +346,17 @@ class Publisher:
             )
 
     def _on_unsendable(self, slot: Slot, exc: Exception) -> None:
-        """The serializer refused the slot's args or kwargs: its own failure,
-        recorded ``lost`` with the serializer's error at once (a backup
-        would fail the same way). The broker is not paused for it: the
-        other slots keep being sent."""
+        """The serializer or the task's argument check refused the slot's
+        args or kwargs: its own failure, recorded ``lost`` with that error at
+        once (a backup would fail the same way). The broker is not paused
+        for it: the other slots keep being sent."""
         assert slot.claim is not None
-        error = f"the serializer refused its args or kwargs: {exc!r}"
+        error = f"its args or kwargs were refused: {exc!r}"
         self._journal.mark(slot.claim, State.LOST, task_id=slot.task_id, error=error)
         logger.error(
             "anarchon: %s @ %s not sent: %s; recorded lost. Fix: give the entry args and "
-            "kwargs its serializer can encode, or another serializer in its options "
-            "(`celery anarchon check` shows the same problem)",
+            "kwargs its task takes and its serializer can encode (`celery anarchon check` "
+            "shows the same problem)",
             slot.job.name,
             _iso(slot.slot_ms),
             error,
@@ -422,8 +425,9 @@ class Publisher:
         Raises:
             _StaleClaim: the claim was held more than :data:`PUBLISH_BY` of
                 its lease when a publish was due (a backup may take it over).
-            _Unsendable: the serializer refused the slot's args or kwargs
-                (not tried again; no pause, the producer is kept).
+            _Unsendable: the serializer or the task's argument check refused
+                the slot's args or kwargs (not tried again; no pause, the
+                producer is kept).
             _PublishInDoubt: the publish failed after it may have reached
                 the broker (not tried again).
             Exception: the last attempt's error, or, within

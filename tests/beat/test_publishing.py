@@ -314,3 +314,35 @@ def test_args_the_serializer_refuses_fail_their_own_slot_only(
         assert "not tried again yet" not in caplog.text
     finally:
         s.close()
+
+
+@pytest.mark.services
+def test_args_the_task_does_not_take_fail_their_own_slot_only(broker_queue: str) -> None:
+    """Celery's argument check (``strict_typing``) raises ``TypeError``
+    before anything is written: the slot's own failure, as a serializer's
+    refusal is, never a pause of every publish."""
+    schedule = {
+        "extra-arg": {"task": "sp.none", "schedule": 3600.0, "args": [1]},
+        "good": {"task": "sp.none", "schedule": 3600.0},
+    }
+    app = redis_app(f"redis://127.0.0.1:6379/{BROKER_DB}", broker_queue, schedule)
+
+    @app.task(name="sp.none")
+    def takes_nothing() -> None:
+        """Takes no arguments."""
+
+    now = float(int(time.time()))
+    s = Scheduler(app, clock=Clock(now))
+    try:
+        for name in ("extra-arg", "good"):
+            s.agenda.push(int(now * 1000), Slot(s.jobs[name], int(now * 1000), CLAIM))
+        s.tick()
+        backend = s.backend
+        assert backend is not None
+        [bad] = backend.history("extra-arg")
+        [good] = backend.history("good")
+        assert bad.state is State.LOST and "TypeError" in (bad.error or ""), bad
+        assert good.state is State.SENT
+        assert queued_slots(broker_queue) == [int(now * 1000)]
+    finally:
+        s.close()
