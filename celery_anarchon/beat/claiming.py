@@ -154,7 +154,7 @@ class Claimer:
         """The backend did not answer: try these claims again when it is
         retried. A slot that is past ``max_late`` by then is recorded
         ``missed`` once the backend answers (never silently dropped)."""
-        self._link.outage_lost += len(batch)
+        self._link.not_claimed(slot.key for slot in batch)
         retry_ms = self._link.retry_ms()
         for slot in batch:
             self._agenda.again(retry_ms, slot)
