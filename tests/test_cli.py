@@ -169,6 +169,34 @@ def test_check_names_args_the_task_does_not_take() -> None:
     assert "task 't.none' does not take its args or kwargs" in problem["message"]
 
 
+@pytest.mark.services
+def test_check_connect_fails_for_a_wrong_redis_password() -> None:
+    """Issue 12, item 6: a Redis ACL user with a wrong password is a
+    configuration problem for ``check --connect``, as for beat, with the
+    URL masked (an ACL user of its own: the shared Redis keeps its
+    default user's settings)."""
+    require_service("redis")
+    import redis
+
+    user = f"anarchon-test-{uuid.uuid4().hex[:6]}"
+    client = redis.Redis.from_url(REDIS_URL)
+    client.acl_setuser(
+        user, enabled=True, passwords=["+secret"], keys=["*"], channels=["*"], commands=["+@all"]
+    )
+    try:
+        url = f"redis://{user}:wrong@127.0.0.1:6379/0?prefix=anarchon-auth:"
+        result = invoke(check_app(anarchon_backend=url), "check", "--connect")
+        good = f"redis://{user}:secret@127.0.0.1:6379/0?prefix=anarchon-auth:"
+        fine = invoke_json(check_app(anarchon_backend=good), "check", "--connect")
+    finally:
+        client.acl_deluser(user)
+        client.close()
+    assert result.exit_code == EXIT_PROBLEM, result.output
+    assert "refused the credentials" in result.output
+    assert "wrong" not in result.output.replace("wrong-", "")
+    assert fine["connected"] is True
+
+
 def check_app(**conf: Any) -> Celery:
     app = Celery("check-test", broker="memory://")
     app.conf.update(

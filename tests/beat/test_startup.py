@@ -4,6 +4,7 @@ once), lazy construction, a missing driver named with its extra."""
 from __future__ import annotations
 
 import logging
+import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from celery_anarchon.beat.scheduler import Scheduler
 from celery_anarchon.checks import run_check
 from celery_anarchon.exceptions import ConfigurationError
 
+from ..conftest import require_service
 from .support import (
     Unserializable,
     sqlite_app,
@@ -129,3 +131,17 @@ def test_a_schedule_of_the_wrong_type_names_the_job(tmp_path: Path) -> None:
     schedule = {"listed": {"task": "t", "schedule": [5]}}
     with pytest.raises(ConfigurationError, match=r"'listed'.*\[5\] is not a schedule"):
         Scheduler(sqlite_app(tmp_path, schedule))
+
+
+@pytest.mark.services
+def test_a_postgresql_role_that_does_not_exist_stops_beat_at_start_up(tmp_path: Path) -> None:
+    """Issue 12, item 6: refused at start-up as a configuration error (with
+    the masked URL), not retried for ever as an outage."""
+    require_service("postgresql")
+    role = f"nobody_{uuid.uuid4().hex[:8]}"
+    url = f"postgresql://{role}:s3cret@127.0.0.1:5432/test"
+    app = sqlite_app(tmp_path, {"j": {"task": "proj.j", "schedule": 5.0}}, anarchon_backend=url)
+    with pytest.raises(ConfigurationError) as err:
+        Scheduler(app)
+    assert f'role "{role}" does not exist' in str(err.value)
+    assert "s3cret" not in str(err.value)

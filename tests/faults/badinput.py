@@ -206,8 +206,8 @@ BAD_INPUT: list[Case] = [
     Case(
         "wrong user",
         "postgresql",
-        "runs",
-        r'role "nobody_[0-9a-f]+" does not exist|authentication failed',
+        "exit",
+        r'refused the credentials.*role "nobody_[0-9a-f]+" does not exist',
         {},
         url=lambda f, r: f"postgresql://nobody_{r}:x@127.0.0.1:5432/test?prefix=bad{r}_",
     ),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import select
 import sqlite3
 import time
@@ -178,7 +179,31 @@ def _without_found_rows(_dialect: Any, _record: Any, _cargs: Any, cparams: dict[
     cparams["client_flag"] = int(cparams.get("client_flag", 0)) & ~CLIENT_FOUND_ROWS
 
 
-def _reason(exc: Exception) -> str:
+#: What PostgreSQL says when it refuses a login (libpq's connection errors
+#: carry no SQLSTATE, so the server's text is matched): a wrong password,
+#: a role that does not exist, no ``pg_hba.conf`` entry for it.
+_PG_AUTH_REFUSED = re.compile(
+    r"password authentication failed|role \"[^\"]*\" does not exist|no pg_hba\.conf entry"
+    r"|authentication failed for user"
+)
+
+#: MySQL/MariaDB errors that refuse a login: ER_ACCESS_DENIED_ERROR (1045),
+#: ER_DBACCESS_DENIED_ERROR (1044).
+_MYSQL_AUTH_REFUSED = frozenset({1044, 1045})
+
+
+def _auth_refused(exc: BaseException) -> bool:
+    """True when the database refused the credentials (a driver error
+    wrapped by SQLAlchemy, or the driver's own): PostgreSQL's messages
+    above, or a MySQL error code in :data:`_MYSQL_AUTH_REFUSED`."""
+    orig = getattr(exc, "orig", None) or exc
+    args = getattr(orig, "args", ())
+    if args and isinstance(args[0], int) and args[0] in _MYSQL_AUTH_REFUSED:
+        return type(orig).__module__.startswith("pymysql")
+    return type(orig).__module__.startswith("psycopg") and bool(_PG_AUTH_REFUSED.search(str(orig)))
+
+
+def _reason(exc: BaseException) -> str:
     """The driver's own message, first line, with its class."""
     orig = getattr(exc, "orig", None) or exc
     lines = str(orig).strip().splitlines() or [""]
@@ -223,7 +248,9 @@ class SQLConnection(SQLDialects):
 
         Raises:
             BackendUnavailable: the database cannot be reached or fails.
-            ConfigurationError: the SQLite file's directory does not exist; a
+            ConfigurationError: the database refused the credentials (a wrong
+                password, a role or user that does not exist); the SQLite
+                file's directory does not exist; a
                 user's MySQL Engine reports found rather than changed rows
                 (``CLIENT_FOUND_ROWS``); a table of one of our names lacks
                 our columns (another program's); the tables were made by a
@@ -235,11 +262,21 @@ class SQLConnection(SQLDialects):
         if self._engine is None:
             self._check_sqlite_dir()
             self._engine = self._create_engine()
-        with self._unavailable("open"):
-            self._check_found_rows(self._engine)
-            self._create_tables(self._engine)
-            foreign = self._foreign_tables(self._engine)
-            version = self._schema_version(self._engine) if not foreign else 0
+        try:
+            with self._unavailable("open"):
+                self._check_found_rows(self._engine)
+                self._create_tables(self._engine)
+                foreign = self._foreign_tables(self._engine)
+                version = self._schema_version(self._engine) if not foreign else 0
+        except BackendUnavailable as exc:
+            cause = exc.__cause__
+            if cause is not None and _auth_refused(cause):
+                raise ConfigurationError(
+                    f"anarchon_backend: {self.describe()} refused the credentials "
+                    f"({_reason(cause)}); fix the user name or password in the URL, or create "
+                    "that role or user in the database."
+                ) from cause
+            raise
         if foreign:
             raise ConfigurationError(
                 f"anarchon_backend: {'; '.join(foreign)} in {self.describe()}: a table of that "
