@@ -206,6 +206,7 @@ class RedisConnection(RedisNaming):
         if self._client is None:
             self._client = self._connect()
         client = self._client
+        self._forget_clock_offset()
         try:
             self._check_version(client)
             self._check_eviction(client)
@@ -237,6 +238,10 @@ class RedisConnection(RedisNaming):
         """``RedisBackend <url, password masked> prefix=...``."""
         where = sanitize_url(self._url) if self._url else "(user's client)"
         return f"RedisBackend {where} prefix={self.prefix!r}"
+
+    def request_timeout_s(self) -> float:
+        """``socket_timeout``: how long the client waits for a reply, seconds."""
+        return self.socket_timeout
 
     def now_ms(self) -> int:
         """The Redis server's clock (``TIME``), epoch ms.

@@ -16,7 +16,7 @@ from ...exceptions import BackendUnavailable, ConfigurationError
 from ..base import AbsentRecord, Claim, ClaimRequest, State
 from .connection import _parse_url, _seconds
 from .dialects import INSERT_CHUNK
-from .leases import SQLLeases, _in_window, _lost
+from .leases import SQLLeases, _in_window, _late_or, _lost, _PastDeadline
 from .naming import _clean, _kind_of, _prefix, _tables, key_of
 
 __all__ = ["SQLBackend"]
@@ -144,6 +144,7 @@ class SQLBackend(SQLLeases):
         self._engine: Engine | None = None
         self._pid = os.getpid()
         self._ready = False
+        self._watchdog = None
         self._writes: dict[str, int] = {}
         self._trims_due: dict[str, tuple[int, int, float]] = {}
         self._housekept = False
@@ -189,9 +190,14 @@ class SQLBackend(SQLLeases):
         """
         if not requests:
             return []
-        with self._write("claim") as conn:
-            now = self._now(conn)
-            answers = self._claim_all(conn, requests, now)
+        requests = self.stamp_deadlines(requests)
+        try:
+            with self._write("claim") as conn:
+                now = self._now(conn)
+                answers = self._claim_all(conn, requests, now)
+                self._commit_by_deadline(conn, requests, answers)
+        except _PastDeadline:
+            answers = [_late_or(r, a) for r, a in zip(requests, answers, strict=True)]
         won = [r for r, a in zip(requests, answers, strict=True) if a.won]
         logger.debug("anarchon: claimed %d of %d slot(s)", len(won), len(requests))
         self._after_writes((key_of(r.job), r.history_size, r.history_ttl_ms) for r in won)
@@ -204,7 +210,9 @@ class SQLBackend(SQLLeases):
         rows: dict[tuple[str, int], tuple[int, dict[str, Any]]] = {}
         for i, req in enumerate(requests):
             slot = (key_of(req.job), req.slot_ms)
-            if not _in_window(req, now):
+            if req.past_deadline(now):
+                answers[i] = _lost(req.job, req.slot_ms, "deadline")
+            elif not _in_window(req, now):
                 answers[i] = _lost(req.job, req.slot_ms, "window")
             elif slot in rows:
                 answers[i] = _lost(req.job, req.slot_ms, "taken")
