@@ -638,24 +638,29 @@ class Backend(abc.ABC):
 
     def clock_offset_ms(self) -> int:
         """The backend's clock minus this process's, milliseconds, measured
-        with one :meth:`now_ms` round trip (against its midpoint) at the
-        first call after :meth:`open` and again every
+        with one :meth:`now_ms` round trip (against its midpoint) at
+        :meth:`open` and again at the first call after every
         :data:`OFFSET_REFRESH_S` seconds; off by at most half a round trip.
 
         Raises:
             BackendUnavailable: no answer.
         """
         if time.monotonic() - self._clock_offset_at >= OFFSET_REFRESH_S:
-            before = time.time()
-            backend_ms = self.now_ms()
-            local_ms = (before + time.time()) * 500
-            self._clock_offset_ms = int(backend_ms - local_ms)
-            self._clock_offset_at = time.monotonic()
+            self._measure_clock_offset()
         return self._clock_offset_ms
 
-    def _forget_clock_offset(self) -> None:
-        """Measure the clock offset afresh at the next claim (after open)."""
-        self._clock_offset_at = -math.inf
+    def _measure_clock_offset(self) -> None:
+        """Measure :meth:`clock_offset_ms` now (lease backends call it at
+        the end of :meth:`open`).
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        before = time.time()
+        backend_ms = self.now_ms()
+        local_ms = (before + time.time()) * 500
+        self._clock_offset_ms = int(backend_ms - local_ms)
+        self._clock_offset_at = time.monotonic()
 
     def stamp_deadlines(self, requests: Sequence[ClaimRequest]) -> list[ClaimRequest]:
         """``requests`` with ``deadline_ms`` set where it is None: now plus

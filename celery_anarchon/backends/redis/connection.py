@@ -206,7 +206,6 @@ class RedisConnection(RedisNaming):
         if self._client is None:
             self._client = self._connect()
         client = self._client
-        self._forget_clock_offset()
         try:
             self._check_version(client)
             self._check_eviction(client)
@@ -218,6 +217,7 @@ class RedisConnection(RedisNaming):
             ) from exc
         except RedisError as exc:
             raise self._unavailable("open", exc) from exc
+        self._measure_clock_offset()
         logger.info("anarchon: Redis claim backend ready: %s", self.describe())
 
     def close(self) -> None:

@@ -322,7 +322,6 @@ class SQLConnection(SQLDialects):
         if self._engine is None:
             self._check_sqlite_dir()
             self._engine = self._create_engine()
-        self._forget_clock_offset()
         with self._unavailable("open"):
             self._check_found_rows(self._engine)
             self._create_tables(self._engine)
@@ -343,6 +342,8 @@ class SQLConnection(SQLDialects):
                 "anarchon_backend_options['prefix'] to use other tables."
             )
         self._ready = True
+        if self.kind != "sqlite":
+            self._measure_clock_offset()
         logger.info("anarchon: SQL backend ready: %s", self.describe())
 
     def close(self) -> None:
