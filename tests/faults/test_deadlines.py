@@ -143,7 +143,9 @@ def test_a_request_past_its_deadline_is_answered_deadline(kind: str) -> None:
         backend.open()
         now = backend.now_ms()
         slot = (now // 1000) * 1000
-        late = backend.claim([_request(slot, deadline_ms=now - 1), _request(slot + 1, deadline_ms=now - 1)])
+        late = backend.claim(
+            [_request(slot, deadline_ms=now - 1), _request(slot + 1, deadline_ms=now - 1)]
+        )
         assert [(c.won, c.reason) for c in late] == [(False, "deadline")] * 2
         [taken_late] = backend.take_over_many([_request(slot + 2, deadline_ms=now - 1)])
         assert (taken_late.won, taken_late.reason) == (False, "deadline")

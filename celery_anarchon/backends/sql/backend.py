@@ -68,6 +68,12 @@ class SQLBackend(SQLLeases):
       state = 'superseded' WHERE token = :old AND state = 'claimed' AND
       lease_until_ms < now`` and, when that changed one row, insert token
       ``old + 1``.
+    * **A late claim claims nothing**: each claim and take-over carries a
+      deadline in the database's time (:meth:`stamp_deadlines`); the
+      transaction reads the clock first and again just before ``COMMIT``
+      (PostgreSQL: with ``idle_in_transaction_session_timeout`` set to the
+      time left, so a held-up ``COMMIT`` commits nothing) and, past it,
+      rolls back and answers ``"deadline"``. SQLite: no deadline.
     * **run_now once per key**: a conditional insert into ``<prefix>manual``
       on ``(job, manual_key)`` in the transaction that writes the run.
     * **Records outlive every late claimer**: trimming deletes only records
@@ -77,7 +83,10 @@ class SQLBackend(SQLLeases):
       greeting then waits up to ``statement_timeout``) and
       ``statement_timeout`` each statement (PostgreSQL ``statement_timeout``
       and ``tcp_user_timeout``; MySQL client read/write timeouts and
-      ``innodb_lock_wait_timeout``; SQLite busy timeout). Pooled connections
+      ``innodb_lock_wait_timeout``; SQLite busy timeout), and the whole
+      call by a watchdog that shuts its socket down ``statement_timeout`` +
+      1 s after it began (PostgreSQL, MySQL: a server that never answers).
+      Pooled connections
       are pinged before use, so the backend recovers when the database
       comes back. Every driver error is raised as
       :class:`~celery_anarchon.exceptions.BackendUnavailable`. These
@@ -183,8 +192,10 @@ class SQLBackend(SQLLeases):
             1 (record ``claimed``, owner this instance, ``lease_until_ms =
             now + lease_ms``, ``keep_until_ms`` from the request); lost with
             ``"window"`` when outside the claim window by the database clock,
-            ``"taken"`` when the slot has a record (or appears twice in the
-            batch: the first wins).
+            ``"deadline"`` when the database's clock passed the request's
+            deadline before the commit (nothing written), ``"taken"`` when
+            the slot has a record (or appears twice in the batch: the first
+            wins).
         Raises:
             BackendUnavailable: no answer; treat every request as lost.
         """

@@ -128,8 +128,9 @@ class SQLLeases(SQLRegistry):
             ``old + 1`` (or 1); lost with ``"window"`` outside the claim
             window, ``"held"`` when the record is still ``claimed`` with its
             lease running (its holder, maybe a backup that took it over
-            first, may still send it), ``"taken"`` otherwise (sent, or a
-            manual run).
+            first, may still send it), ``"deadline"`` past the request's
+            deadline by the database clock (nothing written), ``"taken"``
+            otherwise (sent, or a manual run).
         Raises:
             BackendUnavailable: no answer; treat every request as lost.
         """
