@@ -25,7 +25,7 @@ from .beat.registry import registry_ttl
 from .exceptions import BackendUnavailable, ConfigurationError
 from .metrics import metrics_config
 from .model import Entry, Job, app_zone, build_jobs
-from .settings import Settings
+from .settings import Settings, is_anarchon_key
 
 __all__ = [
     "ENTRY_KEYS",
@@ -193,7 +193,7 @@ class _DefaultsOnly:
 
     def __init__(self, app: Any) -> None:
         self.conf = {
-            key: value for key, value in app.conf.items() if not key.startswith("anarchon_")
+            key: value for key, value in app.conf.items() if not is_anarchon_key(key)
         }
 
 

@@ -321,19 +321,36 @@ def _did_you_mean(name: str, choices: Any) -> str:
     return f" Did you mean {close[0]!r}?" if close else ""
 
 
+def is_anarchon_key(key: Any) -> bool:
+    """True for an ``anarchon_*`` key of ``app.conf``, also in the Django
+    form (``CELERY_ANARCHON_*`` with ``namespace='CELERY'``)."""
+    name = str(key).lower()
+    return name.startswith(("anarchon_", "celery_anarchon_"))
+
+
 def _refuse_unknown_settings(conf: Any) -> None:
-    """A misspelled ``anarchon_*`` setting would be silently ignored."""
+    """A misspelled ``anarchon_*`` setting would be silently ignored.
+
+    The suggestion keeps the form the user wrote: ``CELERY_ANARCHON_JITER``
+    suggests ``CELERY_ANARCHON_JITTER``, ``anarchon_jiter`` ``anarchon_jitter``.
+    """
     for key in conf:
-        name = str(key).lower()
-        for prefix in ("celery_", ""):
-            if name.startswith(f"{prefix}anarchon_"):
-                setting = name[len(prefix) :]
-                if setting not in KNOWN_SETTINGS:
-                    raise ConfigurationError(
-                        f"{key}: unknown setting.{_did_you_mean(setting, KNOWN_SETTINGS)} "
-                        "See the configuration reference for every anarchon_* setting."
-                    )
-                break
+        if not is_anarchon_key(key):
+            continue
+        written = str(key)
+        prefix = len("celery_") if written.lower().startswith("celery_") else 0
+        setting = written[prefix:].lower()
+        if setting in KNOWN_SETTINGS:
+            continue
+        close = difflib.get_close_matches(setting, list(KNOWN_SETTINGS), n=1)
+        hint = ""
+        if close:
+            meant = close[0].upper() if written[prefix:].isupper() else close[0]
+            hint = f" Did you mean {written[:prefix] + meant!r}?"
+        raise ConfigurationError(
+            f"{key}: unknown setting.{hint} "
+            "See the configuration reference for every anarchon_* setting."
+        )
 
 
 def _check_jitter(options: JobOptions, job: str | None) -> None:

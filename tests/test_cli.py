@@ -188,6 +188,26 @@ def test_check_names_each_bad_setting(conf: dict[str, Any], where: str, message:
     assert message in report["problems"][0]["message"]
 
 
+def test_check_suggests_a_django_style_setting_in_the_form_written() -> None:
+    """``namespace='CELERY'`` settings: a typo is one problem, and the
+    suggestion is the uppercase name the user would write."""
+
+    class DjangoSettings:
+        CELERY_BROKER_URL = "memory://"
+        CELERY_ANARCHON_BACKEND = "redis://127.0.0.1:6379/0"
+        CELERY_ANARCHON_JITER = 1
+        CELERY_BEAT_SCHEDULE = {"fine": {"task": "t", "schedule": "*/5 * * * *"}}
+
+    app = Celery("django-style")
+    app.config_from_object(DjangoSettings, namespace="CELERY")
+    result = invoke(app, "check")
+    assert result.exit_code == EXIT_PROBLEM, result.output
+    assert "CELERY_ANARCHON_JITER: unknown setting" in result.output
+    assert "Did you mean 'CELERY_ANARCHON_JITTER'?" in result.output
+    assert "'anarchon_jitter'" not in result.output
+    assert "checked 1 valid job(s)" in result.output
+
+
 def test_check_reports_every_problem_at_once() -> None:
     app = check_app(anarchon_backend="redsi://x", anarchon_jitter=70)
     app.conf.beat_schedule = {name: entry for name, entry, _ in BAD_ENTRIES}
