@@ -22,8 +22,10 @@ Exit codes (the same for every command):
       than ``max_skew``, a stale heartbeat, jobs defined differently on
       different instances); ``last-run`` found no run; ``run-now`` did
       not send (the key was used before, or the broker refused the task).
-2     Usage: a bad option or argument, an unknown job.
-3     The claim backend is unreachable.
+2     Usage: a bad option or argument, an unknown job, no ``-A`` (Celery's
+      empty default app).
+3     The claim backend is unreachable, or (SQLite) its file does not
+      exist yet: the reading commands never create it.
 4     The app's configuration cannot be loaded (a bad setting or
       schedule); ``check`` lists every problem.
 ====  ==================================================================
@@ -48,7 +50,7 @@ from .backends.base import Backend, InstanceInfo, RunRecord
 from .beat.registry import HEARTBEAT_INTERVAL, schedule_fingerprint
 from .checks import CheckResult, Probe, has_clock, one_line, probe_backend, run_check
 from .control import Control
-from .exceptions import BackendUnavailable, ConfigurationError
+from .exceptions import BackendMissing, BackendUnavailable, ConfigurationError
 from .model import Job, app_zone
 
 __all__ = [
@@ -96,13 +98,15 @@ def _handled(func: _F) -> _F:
             return func(*args, **kwargs)
         except _Fail as exc:
             _exit(exc.code, exc.message, as_json)
+        except BackendMissing as exc:
+            _exit(EXIT_UNREACHABLE, f"no claim backend: {one_line(exc)}", as_json)
         except BackendUnavailable as exc:
             _exit(EXIT_UNREACHABLE, f"claim backend unreachable: {one_line(exc)}", as_json)
         except ConfigurationError as exc:
             _exit(
                 EXIT_CONFIG,
                 f"configuration error: {one_line(exc)} "
-                "(`celery anarchon check` lists every problem)",
+                "(`celery -A proj anarchon check` lists every problem)",
                 as_json,
             )
 
@@ -127,9 +131,27 @@ def _app(ctx: click.Context) -> Any:
     Celery's own commands get it)."""
     obj = ctx.obj
     app = getattr(obj, "app", None)
-    if app is None:
-        raise click.UsageError("run it as `celery -A proj anarchon ...`", ctx=ctx)
+    if app is None or _is_celery_default_app(app):
+        raise click.UsageError(
+            "no app given: run it as `celery -A proj anarchon ...`, with -A naming the "
+            "module of your Celery app (the one beat runs with)",
+            ctx=ctx,
+        )
     return app
+
+
+def _is_celery_default_app(app: Any) -> bool:
+    """True for the app Celery falls back to without ``-A``: it has no
+    ``beat_schedule`` and no ``anarchon_backend``, so a command on it would
+    report an empty cluster (and, for SQLite, read a file beside the
+    current folder)."""
+    from celery import _state
+
+    return (
+        app is _state.default_app
+        and not app.conf.beat_schedule
+        and app.conf.get("anarchon_backend") is None
+    )
 
 
 def _control(ctx: click.Context) -> Control:
@@ -501,6 +523,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
     """
     with _control(ctx) as control:
         backend = control.backend
+        control.require_backend()
         probe = probe_backend(backend)
         report = _Status(
             backend=backend.describe(),

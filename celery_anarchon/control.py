@@ -23,7 +23,7 @@ from typing import Any
 from .backends import backend_from_url
 from .backends.base import Backend, InstanceInfo, RunRecord, State
 from .beat.registry import new_instance_id
-from .exceptions import ConfigurationError
+from .exceptions import BackendMissing, ConfigurationError
 from .message import manual_task_id, send_slot
 from .model import Entry, Job, app_zone, build_jobs
 from .settings import Settings
@@ -99,11 +99,31 @@ class Control:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _open(self) -> Backend:
+    def _open(self, *, create: bool = False) -> Backend:
+        """The backend, opened; a read (``create=False``) never creates
+        its store (see :meth:`require_backend`)."""
         if not self._opened:
+            if not create:
+                self.require_backend()
             self.backend.open()
             self._opened = True
         return self.backend
+
+    def require_backend(self) -> None:
+        """Check that the backend's store exists, without creating it.
+
+        Raises:
+            BackendMissing: a SQLite file that is not there: beat creates
+                it on its first start; a command run from another folder
+                than beat's reads another default path.
+        """
+        if not self.backend.exists():
+            raise BackendMissing(
+                f"{self.backend.describe()} does not exist: beat creates it on its first "
+                "start. Run the command where beat runs, with beat's -s file "
+                "(`celery -A proj anarchon -s FILE ...`), or set anarchon_backend to the "
+                "shared backend beat uses."
+            )
 
     def job(self, name: str) -> Job:
         """The job called ``name``.
@@ -125,6 +145,7 @@ class Control:
         Works for a job no longer in ``beat_schedule`` too (its history stays).
 
         Raises:
+            BackendMissing: the SQLite file does not exist (not created).
             BackendUnavailable: the backend does not answer.
         """
         return self._open().history(job, limit)
@@ -133,6 +154,7 @@ class Control:
         """The newest run of ``job`` that was really sent, or None.
 
         Raises:
+            BackendMissing: the SQLite file does not exist (not created).
             BackendUnavailable: the backend does not answer.
         """
         return self._open().last_run(job)
@@ -153,7 +175,7 @@ class Control:
         """
         target = self.job(job)
         key = key if key is not None else str(int(time.time()))
-        backend = self._open()
+        backend = self._open(create=True)
         task_id = manual_task_id(job, key)
         claim = backend.claim_manual(job, key, backend.now_ms() + MANUAL_KEY_KEEP_MS)
         if not claim.won:

@@ -262,7 +262,43 @@ def test_a_broken_configuration_exits_4_and_points_to_check() -> None:
     app = make_app(anarchon_backend="redis://127.0.0.1:1/0", anarchon_jitter=99)
     result = invoke(app, "jobs")
     assert result.exit_code == EXIT_CONFIG
-    assert "anarchon_jitter" in result.stderr and "celery anarchon check" in result.stderr
+    assert "anarchon_jitter" in result.stderr and "celery -A proj anarchon check" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args", [["jobs"], ["history", "minutely"], ["last-run", "minutely"], ["status"]]
+)
+def test_read_only_commands_never_create_the_sqlite_file(tmp_path: Path, args: list[str]) -> None:
+    """A command run from another folder than beat's reads another default
+    SQLite path: it says there is no backend there instead of creating one."""
+    path = tmp_path / "celerybeat-schedule.anarchon.db"
+    app = make_app(anarchon_backend=f"sqlite:///{path}")
+    result = invoke(app, *args)
+    assert not path.exists(), f"{args} created {path}"
+    if args != ["jobs"]:  # jobs connects to nothing
+        assert result.exit_code == EXIT_UNREACHABLE, result.output
+        assert "does not exist" in result.stderr and str(path) in result.stderr
+        assert "first start" in result.stderr
+    else:
+        assert result.exit_code == EXIT_OK, result.output
+
+
+@pytest.mark.parametrize("command", ["jobs", "history minutely", "last-run minutely", "status"])
+def test_a_command_without_an_app_says_that_a_is_missing(tmp_path: Path, command: str) -> None:
+    """``celery anarchon status`` (no -A) gets Celery's default app: it
+    says -A is missing and leaves no file behind."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CELERY_", "APP"))}
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "anarchon", *command.split()],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == EXIT_USAGE, done.stdout + done.stderr
+    assert "no app given" in done.stderr and "celery -A proj anarchon" in done.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.services

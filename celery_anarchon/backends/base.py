@@ -358,6 +358,12 @@ class Backend(abc.ABC):
     def close(self) -> None:
         """Release connections this backend opened. Safe to call twice."""
 
+    def exists(self) -> bool:
+        """False when the backend's store was never created and
+        :meth:`open` would create it (a SQLite file not there yet); True
+        for a server backend, which is there or unreachable."""
+        return True
+
     @abc.abstractmethod
     def now_ms(self) -> int:
         """The backend's clock (the server's where it has one), epoch ms."""
