@@ -451,8 +451,9 @@ def last_run(ctx: click.Context, job: str, as_json: bool) -> None:
 @click.option(
     "--key",
     default=None,
-    help="Calls with the same key send once, from any host [default: the "
-    "current second, so a double click sends once].",
+    help="Calls with the same key send once, from any host [default: no key; "
+    "then a call is refused while the job's previous call without a key is "
+    "younger than anarchon_run_now_guard (5 s), so a double click sends once].",
 )
 @json_option
 @click.pass_context
@@ -461,7 +462,8 @@ def run_now(ctx: click.Context, job: str, key: str | None, as_json: bool) -> Non
     """Send JOB's task now, once per --key across all hosts; prints the task id.
 
     Exit 0 when this call sent it; 1 when a call with the same key already
-    did (the task id printed is that run's), or the broker refused the task
+    did (the task id printed is that run's), a call without --key came less
+    than anarchon_run_now_guard ago, or the broker refused the task
     (recorded ``lost``).
     """
     with _control(ctx) as control:
@@ -481,6 +483,13 @@ def run_now(ctx: click.Context, job: str, key: str | None, as_json: bool) -> Non
             click.echo(json.dumps(asdict(result)))
         elif result.sent:
             click.echo(f"{job}: sent, task id {result.task_id} (key {result.key})")
+        elif result.guarded:
+            guard = _seconds(control.settings.run_now_guard)
+            previous = f" (task id {result.task_id})" if result.task_id else ""
+            click.echo(
+                f"{job}: not sent: a run-now of it was sent less than {guard} ago{previous} "
+                f"(anarchon_run_now_guard={guard}); pass --key to send another run at once"
+            )
         else:
             click.echo(
                 f"{job}: not sent: key {result.key!r} was used before; "

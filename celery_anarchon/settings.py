@@ -51,6 +51,11 @@ JOB_KEYS = frozenset(
 #: of 60 s.
 DEFAULT_LEASE_TTL = 30.0
 
+#: Default ``anarchon_run_now_guard``, seconds: a double click, or two quick
+#: ``run-now`` calls from scripts, fall well inside it; a deliberate second
+#: run a few seconds later does not.
+DEFAULT_RUN_NOW_GUARD = 5.0
+
 
 def _where(job: str | None) -> str:
     return f"beat_schedule[{job!r}]['anarchon']: " if job else ""
@@ -143,6 +148,8 @@ class Settings:
             checked (backend unavailable), discard the delivery (True) or
             run it and log (False, the default); see
             :mod:`celery_anarchon.worker`.
+        run_now_guard: a ``run_now`` without a key is refused while the
+            job's previous one is younger than this, seconds (0: never).
     """
 
     backend: str | None
@@ -153,6 +160,7 @@ class Settings:
     allow_eviction: bool
     explicit: frozenset[str] = field(default_factory=frozenset)
     worker_strict: bool = False
+    run_now_guard: float = DEFAULT_RUN_NOW_GUARD
 
     @classmethod
     def from_app(cls, app: Any, *, schedule_filename: str | None = None) -> Settings:
@@ -219,6 +227,9 @@ class Settings:
             allow_eviction=flag(get("allow_eviction", False), setting="anarchon_allow_eviction"),
             explicit=explicit,
             worker_strict=flag(get("worker_strict", False), setting="anarchon_worker_strict"),
+            run_now_guard=seconds(
+                get("run_now_guard", DEFAULT_RUN_NOW_GUARD), setting="anarchon_run_now_guard"
+            ),
         )
 
     def effective_backend_options(self) -> dict[str, Any]:
@@ -312,6 +323,7 @@ KNOWN_SETTINGS = frozenset(
         "anarchon_metrics_port",
         "anarchon_metrics_addr",
         "anarchon_worker_strict",
+        "anarchon_run_now_guard",
     }
 )
 

@@ -350,6 +350,92 @@ def test_run_now_sends_once_per_key_and_shows_in_history(name: str, tmp_path: Pa
             drop_tables(url, f"cli{run}_")
 
 
+@pytest.mark.services
+def test_two_default_key_run_now_calls_across_a_second_boundary_send_once(
+    tmp_path: Path,
+) -> None:
+    """Two quick ``run-now`` calls from the command line, the second in
+    another second than the first: one sends, the other is refused because
+    the job's previous manual run is younger than ``anarchon_run_now_guard``."""
+    require_service("redis")
+    beats = BeatCluster(redis_backend(), tmp_path)
+
+    def run_now() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "celery", "-A", "tests.beat_app", "anarchon"]
+            + ["run-now", "minutely"],
+            cwd=REPO,
+            env=beats.env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    try:
+        first_started = int(time.time())
+        first = run_now()
+        while int(time.time()) == first_started:  # the second call in another second
+            time.sleep(0.05)
+        second = run_now()
+        assert first.returncode == EXIT_OK, first.stdout + first.stderr
+        assert second.returncode == EXIT_PROBLEM, second.stdout + second.stderr
+        assert "anarchon_run_now_guard" in second.stdout and "--key" in second.stdout
+        sent = read_queue(BROKER, beats.queue, timeout=1.0)
+        assert [h["anarchon_job"] for h in sent] == ["minutely"]
+    finally:
+        delete_redis_keys(BROKER, beats.queue)
+
+
+@pytest.mark.services
+@pytest.mark.parametrize("name", ["sqlite", "postgresql", "mysql", "redis", "rabbitmq"])
+def test_concurrent_default_key_run_now_calls_send_once(name: str, tmp_path: Path) -> None:
+    """Calls racing on separate connections: the guard is taken in the
+    backend, so exactly one sends; once the guard has passed, a call sends."""
+    import threading
+
+    from celery_anarchon.control import Control
+
+    require_service("redis")  # the broker
+    require_service(name)
+    run = uuid.uuid4().hex[:8]
+    url = {
+        "sqlite": f"sqlite:///{tmp_path / 'claims.db'}",
+        "postgresql": f"{POSTGRES_URL}?prefix=cli{run}_",
+        "mysql": f"{MYSQL_URL}?prefix=cli{run}_",
+        "redis": redis_backend(),
+        "rabbitmq": f"amqp://guest:guest@127.0.0.1:5672//?prefix=cli{run}.",
+    }[name]
+    queue = f"cli-{run}"
+    app = make_app(anarchon_backend=url, task_default_queue=queue, anarchon_run_now_guard=2)
+    controls = [Control(app) for _ in range(4)]
+    for control in controls:  # connected (and tables made) before the race
+        control.backend.open()
+    barrier = threading.Barrier(len(controls))
+    results: list[Any] = []
+
+    def call(control: Control) -> None:
+        barrier.wait()
+        results.append(control.run_now("minutely"))
+
+    try:
+        threads = [threading.Thread(target=call, args=(c,)) for c in controls]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert len(results) == len(controls)
+        assert sum(r.sent for r in results) == 1, results
+        time.sleep(2.2)
+        assert controls[0].run_now("minutely").sent is True  # the guard has passed
+        sent = read_queue(BROKER, queue, timeout=1.0)
+        assert [h["anarchon_job"] for h in sent] == ["minutely", "minutely"]
+    finally:
+        for control in controls:
+            control.close()
+        if name in {"postgresql", "mysql"}:
+            drop_tables(url, f"cli{run}_")
+
+
 def drop_tables(url: str, prefix: str) -> None:
     import sqlalchemy as sa
 

@@ -502,6 +502,21 @@ class Backend(abc.ABC):
             BackendUnavailable: no answer.
         """
 
+    @abc.abstractmethod
+    def take_run_now_guard(self, job: str, hold_ms: int) -> bool:
+        """Take ``job``'s run-now guard for ``hold_ms`` milliseconds.
+
+        Atomic in the backend: of calls racing for a free guard, from any
+        host, exactly one takes it; every call until ``hold_ms`` after it
+        is refused. ``run_now`` without a key takes it before claiming, so
+        two quick calls send once whatever second they fall in.
+
+        Returns:
+            True when this call took the guard, False while it is held.
+        Raises:
+            BackendUnavailable: no answer (nothing taken).
+        """
+
     def last_slots(self, jobs: Sequence[str]) -> dict[str, int]:
         """``job -> newest scheduled slot with a record`` (epoch ms) for each
         of ``jobs`` that has one (manual runs are not counted), read in as

@@ -451,4 +451,28 @@ class RabbitMQBackend(RabbitMQHistory):
             self._record_outcomes([attempt], State.CLAIMED)
             return self._claim_of(attempt)
 
+    def take_run_now_guard(self, job: str, hold_ms: int) -> bool:
+        """Take the guard: a claim on the gate ``<prefix><job>.manual.guard``
+        whose one message expires ``hold_ms`` after it was accepted
+        (``x-message-ttl``): the broker nacks every publish while the
+        message is there, and accepts the first one after it expired. The
+        gate itself expires ``slot_ttl`` (at least twice ``hold_ms``) after
+        its last declare. Nothing is recorded in history.
+
+        Returns:
+            True on an ack; False on a nack, and when no confirm came (in
+            doubt, nothing is sent).
+        Raises:
+            BackendUnavailable: no connection; nothing was published.
+        """
+        with self._lock:
+            now = self.now_ms()
+            queue = f"{self.prefix}{self.job_part(job)}.manual.guard"
+            attempt = self._attempt(job, now, queue, max(self.slot_ttl_ms, 2 * hold_ms))
+            attempt.gate = _Declare(
+                queue, {**attempt.gate.arguments, "x-message-ttl": max(1, hold_ms)}
+            )
+            self._take_gates([attempt])
+            return attempt.outcome == "won"
+
     # -- history -----------------------------------------------------------
