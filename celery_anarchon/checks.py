@@ -192,9 +192,7 @@ class _DefaultsOnly:
     can still be checked when the global settings are broken."""
 
     def __init__(self, app: Any) -> None:
-        self.conf = {
-            key: value for key, value in app.conf.items() if not is_anarchon_key(key)
-        }
+        self.conf = {key: value for key, value in app.conf.items() if not is_anarchon_key(key)}
 
 
 def _check_entries(app: Any, result: CheckResult) -> dict[str, Entry]:

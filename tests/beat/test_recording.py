@@ -22,6 +22,8 @@ from .support import (
     Clock,
     jobs_app,
     next_slot,
+    open_backend,
+    record_sent,
     sent_messages,
     sent_slots,
     spy,
@@ -34,6 +36,9 @@ def test_a_slot_later_than_max_late_is_recorded_missed_not_sent(
     t0: float, tmp_path: Path, every_second: dict[str, Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     app = sqlite_app(tmp_path, every_second, anarchon_max_late=2)
+    before = open_backend(app, "before")
+    record_sent(before, "tick", int((t0 - 2) * 1000))  # a known job: no first-deploy start
+    before.close()
     clock = Clock(t0 + 0.5)
     s = Scheduler(app, clock=clock)
     try:
