@@ -191,7 +191,7 @@ class Control:
                 key = previous.manual_key or "" if previous else ""
                 return RunNowResult(job, key, False, task_id, slot_ms=None, guarded=True)
             key = str(backend.now_ms())
-        task_id = manual_task_id(job, key)
+        task_id = manual_task_id(job, key, namespace=backend.namespace)
         claim = backend.claim_manual(job, key, backend.now_ms() + MANUAL_KEY_KEEP_MS)
         if not claim.won:
             return RunNowResult(job, key, sent=False, task_id=task_id, slot_ms=None)

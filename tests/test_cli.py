@@ -568,7 +568,9 @@ def test_history_and_last_run_show_what_the_beats_sent(cluster: BeatCluster) -> 
     for record in records:
         assert record["state"] in {"claimed", "sent"}
         assert int(record["instance"].rsplit(":", 2)[1]) in pids
-        assert record["task_id"] in (None, task_id_for("every-second", record["slot_ms"]))
+        namespace = backend_from_url(cluster.backend, instance="cli").namespace
+        task_id = task_id_for("every-second", record["slot_ms"], namespace=namespace)
+        assert record["task_id"] in (None, task_id)
         assert record["slot"].endswith("Z") and record["claimed_at_ms"] >= record["slot_ms"]
     # The beats keep sending: last-run lies between two reads of the history.
     before = sent_slots(app, "every-second")

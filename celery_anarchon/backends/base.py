@@ -358,6 +358,13 @@ class Backend(abc.ABC):
     def close(self) -> None:
         """Release connections this backend opened. Safe to call twice."""
 
+    @property
+    def namespace(self) -> str:
+        """What keeps this cluster's claims apart from another's on the same
+        server: the backend's ``prefix`` (tables, keys or queues). Task ids
+        include it (:func:`celery_anarchon.message.task_id_for`)."""
+        return str(getattr(self, "prefix", ""))
+
     def exists(self) -> bool:
         """False when the backend's store was never created and
         :meth:`open` would create it (a SQLite file not there yet); True

@@ -76,7 +76,9 @@ def test_sent_is_recorded_in_chunks(sqlite_url: str) -> None:
         for i in (0, jobs // 2, jobs - 1):
             [record] = s.backend.history(f"job-{i:04d}")
             assert record.state is State.SENT
-            assert record.task_id == task_id_for(f"job-{i:04d}", slot_ms)
+            assert record.task_id == task_id_for(
+                f"job-{i:04d}", slot_ms, namespace=s.backend.namespace
+            )
     finally:
         s.close()
 
