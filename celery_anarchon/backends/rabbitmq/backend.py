@@ -347,7 +347,9 @@ class RabbitMQBackend(RabbitMQHistory):
     def _outcome_record(self, attempt: _Attempt, won_state: State, now: int) -> RunRecord | None:
         run = f"{attempt.job!r} slot {attempt.slot_ms}"
         if attempt.outcome == "won":
-            logger.info("won %s (%s)", run, won_state)
+            # The scheduler logs the won claim at INFO (with the slot's
+            # time); this is the gate's side of it.
+            logger.debug("anarchon: won %s (%s)", run, won_state)
             claimed_at = now if won_state is State.CLAIMED else None
             return RunRecord(
                 job=attempt.job,
@@ -360,7 +362,7 @@ class RabbitMQBackend(RabbitMQHistory):
                 manual_key=attempt.extra.get("manual_key"),
             )
         if attempt.outcome == "taken":
-            logger.debug("lost %s: taken by another instance", run)
+            logger.debug("anarchon: lost %s: taken by another instance", run)
             return None
         if attempt.outcome == "returned":
             logger.warning(
