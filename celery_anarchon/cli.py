@@ -52,6 +52,7 @@ from .checks import CheckResult, Probe, has_clock, one_line, probe_backend, run_
 from .control import Control
 from .exceptions import BackendMissing, BackendUnavailable, ConfigurationError
 from .model import Job, app_zone
+from .slots import CronSlots, IntervalSlots, Slots
 
 __all__ = [
     "anarchon",
@@ -294,7 +295,7 @@ def _describe_job(job: Job, backend: Backend, app_zone_: ZoneInfo, now_ms: int) 
     described: dict[str, Any] = {
         "name": job.name,
         "task": job.entry.task,
-        "schedule": job.slots.describe(),
+        "schedule": _schedule_text(job.slots),
         "zone": _zone_name(zone),
         "next": [{"slot_ms": s, "utc": _utc(s), "local": _local(s, zone)} for s in slots],
         "options": job.options.as_dict(),
@@ -304,6 +305,28 @@ def _describe_job(job: Job, backend: Backend, app_zone_: ZoneInfo, now_ms: int) 
     if gate_queue is not None and slots:
         described["gate_queue"] = gate_queue(job.name, slots[0])
     return described
+
+
+def _schedule_text(slots: Slots) -> str:
+    """The schedule as ``jobs`` shows it: an interval in days or hours with
+    the weekday and time its anchor puts the slots on (the Unix epoch, a
+    Thursday 00:00 UTC, unless an anchor is set); a cron with a seconds
+    field named as such (POSIX cron has five fields)."""
+    if isinstance(slots, IntervalSlots):
+        interval_s = slots.interval_ms / 1000
+        anchor = datetime.fromtimestamp(slots.anchor_ms / 1000, timezone.utc)
+        at = anchor.strftime("%H:%M") + (anchor.strftime(":%S") if anchor.second else "")
+        if interval_s == 7 * 86400:
+            on = f"{anchor.strftime('%A')}s {at} UTC"
+        elif interval_s % 86400 == 0:
+            on = f"days at {at} UTC from {anchor.strftime('%A')}"
+        else:
+            return f"every {_seconds(interval_s)} (anchor {_utc(slots.anchor_ms)})"
+        return f"every {_seconds(interval_s)}: {on} (anchor {_utc(slots.anchor_ms)})"
+    if isinstance(slots, CronSlots) and len(slots.expr.split()) == 6 and slots.day_or:
+        zone = _zone_name(slots.zone)
+        return f"{slots.kind} '{slots.expr}' (with seconds; day-of-month OR day-of-week) {zone}"
+    return slots.describe()
 
 
 def _options_text(options: Mapping[str, Any]) -> str:
@@ -552,7 +575,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
                     for info in live
                 ]
             now_ms = probe.backend_now_ms or backend.now_ms()
-            _check_instances(report, live, now_ms)
+            _check_instances(report, live, now_ms, _app_option(ctx, control.app))
         else:
             report.notes.append(
                 "claim-only backend: no instance registry is kept, so live instances "
@@ -575,7 +598,16 @@ def status(ctx: click.Context, as_json: bool) -> None:
             raise click.exceptions.Exit(EXIT_PROBLEM)
 
 
-def _check_instances(report: _Status, live: Sequence[InstanceInfo], now_ms: int) -> None:
+def _app_option(ctx: click.Context, app: Any) -> str:
+    """What to pass to ``-A`` for this app: the ``-A`` this command got,
+    else the app's name."""
+    given = ctx.find_root().params.get("app")
+    return given if isinstance(given, str) and given else str(app.main or "proj")
+
+
+def _check_instances(
+    report: _Status, live: Sequence[InstanceInfo], now_ms: int, app_name: str
+) -> None:
     skew_ms = report.max_skew_s * 1000
     for info in live:
         offset = (
@@ -604,7 +636,7 @@ def _check_instances(report: _Status, live: Sequence[InstanceInfo], now_ms: int)
     if not live:
         report.warnings.append(
             "no live instance in the registry: no slot is being sent. Start "
-            "`celery -A proj beat -S celery_anarchon.Scheduler` on at least one host."
+            f"`celery -A {app_name} beat -S celery_anarchon.Scheduler` on at least one host."
         )
     names = sorted({name for info in live for name in info.jobs})
     for name in names:

@@ -208,6 +208,37 @@ def test_check_suggests_a_django_style_setting_in_the_form_written() -> None:
     assert "checked 1 valid job(s)" in result.output
 
 
+def test_jobs_shows_a_weekly_interval_in_days_with_its_anchor_and_cron_seconds() -> None:
+    from datetime import timedelta
+
+    app = check_app(
+        beat_schedule={
+            "weekly": {"task": "t", "schedule": timedelta(days=7)},
+            "every-2s": {"task": "t", "schedule": "* * * * * */2"},
+            "five": {"task": "t", "schedule": "*/5 * * * *"},
+        },
+    )
+    text = invoke(app, "jobs").stdout
+    assert "schedule  every 7d: Thursdays 00:00 UTC (anchor 1970-01-01T00:00:00Z)" in text
+    assert "604800s" not in text
+    assert "cron '* * * * * */2' (with seconds; day-of-month OR day-of-week) UTC" in text
+    assert "cron '*/5 * * * *' (POSIX) UTC" in text
+
+
+def test_status_names_the_app_it_runs_with(tmp_path: Path) -> None:
+    require_service("redis")
+    app = make_app(anarchon_backend=redis_backend())
+    result = CliRunner().invoke(
+        anarchon,
+        ["status"],
+        obj=CLIContext(app=app, no_color=True, workdir=None),
+        catch_exceptions=False,
+    )
+    assert result.exit_code == EXIT_PROBLEM, result.output
+    assert "Start `celery -A itest beat -S celery_anarchon.Scheduler`" in result.output
+    assert "-A proj" not in result.output
+
+
 def test_check_reports_every_problem_at_once() -> None:
     app = check_app(anarchon_backend="redsi://x", anarchon_jitter=70)
     app.conf.beat_schedule = {name: entry for name, entry, _ in BAD_ENTRIES}
@@ -668,6 +699,10 @@ def test_the_demo_removes_its_temporary_folder_after_a_good_run(tmp_path: Path) 
     assert done.returncode == 0, done.stdout + done.stderr
     assert "duplicates=0 missed=0" in done.stdout
     assert list(tmp_path.glob("anarchon-demo-*")) == []
+    # "sent per instance" counts the slots of the summary: it adds up to sent=.
+    per_instance = done.stdout.split("sent per instance: ")[1].splitlines()[0]
+    sent = int(done.stdout.split(" sent=")[1].split()[0])
+    assert sum(int(part.rsplit("=", 1)[1]) for part in per_instance.split(", ")) == sent
 
 
 def test_the_demo_keeps_its_folder_when_the_run_fails(tmp_path: Path) -> None:
