@@ -372,6 +372,7 @@ def history(ctx: click.Context, job: str, limit: int, as_json: bool) -> None:
     in the backend's history.
     """
     with _control(ctx) as control:
+        control.require_backend()
         records = control.history(job, limit)
         known = job in control.jobs
         if not records and not known:
@@ -441,6 +442,7 @@ def _unknown_job(job: str, control: Control) -> str:
 def last_run(ctx: click.Context, job: str, as_json: bool) -> None:
     """The newest run of JOB that was really sent (exit 1 when there is none)."""
     with _control(ctx) as control:
+        control.require_backend()
         record = control.last_run(job)
         if record is None and job not in control.jobs and not control.history(job, 1):
             raise _Fail(EXIT_USAGE, _unknown_job(job, control))

@@ -147,19 +147,25 @@ class Control:
 
         Works for a job no longer in ``beat_schedule`` too (its history stays).
 
+        Empty, and nothing created, when the SQLite file does not exist yet.
+
         Raises:
-            BackendMissing: the SQLite file does not exist (not created).
             BackendUnavailable: the backend does not answer.
         """
+        if not self._opened and not self.backend.exists():
+            return []
         return self._open().history(job, limit)
 
     def last_run(self, job: str) -> RunRecord | None:
         """The newest run of ``job`` that was really sent, or None.
 
+        None, and nothing created, when the SQLite file does not exist yet.
+
         Raises:
-            BackendMissing: the SQLite file does not exist (not created).
             BackendUnavailable: the backend does not answer.
         """
+        if not self._opened and not self.backend.exists():
+            return None
         return self._open().last_run(job)
 
     def run_now(self, job: str, key: str | None = None) -> RunNowResult:

@@ -583,7 +583,7 @@ def test_jobs_shows_schedules_zones_next_slots_and_options(cluster: BeatCluster)
     assert jobs["every-second"]["options"]["jitter"] == 2.0
     assert jobs["every-second"]["next"][0]["utc"].endswith("Z")
     text = invoke(cluster_app(cluster), "jobs").stdout
-    assert "schedule  every 1s from 1970-01-01T00:00:00Z" in text
+    assert "schedule  every 1s (anchor 1970-01-01T00:00:00Z)" in text
     assert "options   jitter=2s max_late=60s overlap=allow catch_up=none" in text
 
 
