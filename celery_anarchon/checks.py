@@ -28,7 +28,7 @@ from .beat.registry import registry_ttl
 from .exceptions import BackendUnavailable, ConfigurationError
 from .metrics import metrics_config
 from .model import Entry, Job, app_zone, build_jobs, missing_key
-from .settings import Settings
+from .settings import Settings, is_anarchon_key
 
 __all__ = [
     "ENTRY_KEYS",
@@ -241,9 +241,7 @@ class _DefaultsOnly:
     can still be checked when the global settings are broken."""
 
     def __init__(self, app: Any) -> None:
-        self.conf = {
-            key: value for key, value in app.conf.items() if not key.startswith("anarchon_")
-        }
+        self.conf = {key: value for key, value in app.conf.items() if not is_anarchon_key(key)}
 
 
 def _check_entries(app: Any, result: CheckResult) -> dict[str, Entry]:

@@ -265,6 +265,57 @@ def test_check_names_each_bad_setting(conf: dict[str, Any], where: str, message:
     assert message in report["problems"][0]["message"]
 
 
+def test_check_suggests_a_django_style_setting_in_the_form_written() -> None:
+    """``namespace='CELERY'`` settings: a typo is one problem, and the
+    suggestion is the uppercase name the user would write."""
+
+    class DjangoSettings:
+        CELERY_BROKER_URL = "memory://"
+        CELERY_ANARCHON_BACKEND = "redis://127.0.0.1:6379/0"
+        CELERY_ANARCHON_JITER = 1
+        CELERY_BEAT_SCHEDULE = {"fine": {"task": "t", "schedule": "*/5 * * * *"}}
+
+    app = Celery("django-style")
+    app.config_from_object(DjangoSettings, namespace="CELERY")
+    result = invoke(app, "check")
+    assert result.exit_code == EXIT_PROBLEM, result.output
+    assert "CELERY_ANARCHON_JITER: unknown setting" in result.output
+    assert "Did you mean 'CELERY_ANARCHON_JITTER'?" in result.output
+    assert "'anarchon_jitter'" not in result.output
+    assert "checked 1 valid job(s)" in result.output
+
+
+def test_jobs_shows_a_weekly_interval_in_days_with_its_anchor_and_cron_seconds() -> None:
+    from datetime import timedelta
+
+    app = check_app(
+        beat_schedule={
+            "weekly": {"task": "t", "schedule": timedelta(days=7)},
+            "every-2s": {"task": "t", "schedule": "* * * * * */2"},
+            "five": {"task": "t", "schedule": "*/5 * * * *"},
+        },
+    )
+    text = invoke(app, "jobs").stdout
+    assert "schedule  every 7d: Thursdays 00:00 UTC (anchor 1970-01-01T00:00:00Z)" in text
+    assert "604800s" not in text
+    assert "cron '* * * * * */2' (with seconds; day-of-month OR day-of-week) UTC" in text
+    assert "cron '*/5 * * * *' (POSIX) UTC" in text
+
+
+def test_status_names_the_app_it_runs_with(tmp_path: Path) -> None:
+    require_service("redis")
+    app = make_app(anarchon_backend=redis_backend())
+    result = CliRunner().invoke(
+        anarchon,
+        ["status"],
+        obj=CLIContext(app=app, no_color=True, workdir=None),
+        catch_exceptions=False,
+    )
+    assert result.exit_code == EXIT_PROBLEM, result.output
+    assert "Start `celery -A itest beat -S celery_anarchon.Scheduler`" in result.output
+    assert "-A proj" not in result.output
+
+
 def test_check_reports_every_problem_at_once() -> None:
     app = check_app(anarchon_backend="redsi://x", anarchon_jitter=70)
     app.conf.beat_schedule = {name: entry for name, entry, _ in BAD_ENTRIES}
@@ -319,7 +370,43 @@ def test_a_broken_configuration_exits_4_and_points_to_check() -> None:
     app = make_app(anarchon_backend="redis://127.0.0.1:1/0", anarchon_jitter=99)
     result = invoke(app, "jobs")
     assert result.exit_code == EXIT_CONFIG
-    assert "anarchon_jitter" in result.stderr and "celery anarchon check" in result.stderr
+    assert "anarchon_jitter" in result.stderr and "celery -A proj anarchon check" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args", [["jobs"], ["history", "minutely"], ["last-run", "minutely"], ["status"]]
+)
+def test_read_only_commands_never_create_the_sqlite_file(tmp_path: Path, args: list[str]) -> None:
+    """A command run from another folder than beat's reads another default
+    SQLite path: it says there is no backend there instead of creating one."""
+    path = tmp_path / "celerybeat-schedule.anarchon.db"
+    app = make_app(anarchon_backend=f"sqlite:///{path}")
+    result = invoke(app, *args)
+    assert not path.exists(), f"{args} created {path}"
+    if args != ["jobs"]:  # jobs connects to nothing
+        assert result.exit_code == EXIT_UNREACHABLE, result.output
+        assert "does not exist" in result.stderr and str(path) in result.stderr
+        assert "first start" in result.stderr
+    else:
+        assert result.exit_code == EXIT_OK, result.output
+
+
+@pytest.mark.parametrize("command", ["jobs", "history minutely", "last-run minutely", "status"])
+def test_a_command_without_an_app_says_that_a_is_missing(tmp_path: Path, command: str) -> None:
+    """``celery anarchon status`` (no -A) gets Celery's default app: it
+    says -A is missing and leaves no file behind."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CELERY_", "APP"))}
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "anarchon", *command.split()],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == EXIT_USAGE, done.stdout + done.stderr
+    assert "no app given" in done.stderr and "celery -A proj anarchon" in done.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.services
@@ -367,6 +454,92 @@ def test_run_now_sends_once_per_key_and_shows_in_history(name: str, tmp_path: Pa
         nothing = invoke(app, "last-run", "every-second")
         assert nothing.exit_code == EXIT_PROBLEM and "no run sent yet" in nothing.stdout
     finally:
+        if name in {"postgresql", "mysql"}:
+            drop_tables(url, f"cli{run}_")
+
+
+@pytest.mark.services
+def test_two_default_key_run_now_calls_across_a_second_boundary_send_once(
+    tmp_path: Path,
+) -> None:
+    """Two quick ``run-now`` calls from the command line, the second in
+    another second than the first: one sends, the other is refused because
+    the job's previous manual run is younger than ``anarchon_run_now_guard``."""
+    require_service("redis")
+    beats = BeatCluster(redis_backend(), tmp_path)
+
+    def run_now() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "celery", "-A", "tests.beat_app", "anarchon"]
+            + ["run-now", "minutely"],
+            cwd=REPO,
+            env=beats.env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    try:
+        first_started = int(time.time())
+        first = run_now()
+        while int(time.time()) == first_started:  # the second call in another second
+            time.sleep(0.05)
+        second = run_now()
+        assert first.returncode == EXIT_OK, first.stdout + first.stderr
+        assert second.returncode == EXIT_PROBLEM, second.stdout + second.stderr
+        assert "anarchon_run_now_guard" in second.stdout and "--key" in second.stdout
+        sent = read_queue(BROKER, beats.queue, timeout=1.0)
+        assert [h["anarchon_job"] for h in sent] == ["minutely"]
+    finally:
+        delete_redis_keys(BROKER, beats.queue)
+
+
+@pytest.mark.services
+@pytest.mark.parametrize("name", ["sqlite", "postgresql", "mysql", "redis", "rabbitmq"])
+def test_concurrent_default_key_run_now_calls_send_once(name: str, tmp_path: Path) -> None:
+    """Calls racing on separate connections: the guard is taken in the
+    backend, so exactly one sends; once the guard has passed, a call sends."""
+    import threading
+
+    from celery_anarchon.control import Control
+
+    require_service("redis")  # the broker
+    require_service(name)
+    run = uuid.uuid4().hex[:8]
+    url = {
+        "sqlite": f"sqlite:///{tmp_path / 'claims.db'}",
+        "postgresql": f"{POSTGRES_URL}?prefix=cli{run}_",
+        "mysql": f"{MYSQL_URL}?prefix=cli{run}_",
+        "redis": redis_backend(),
+        "rabbitmq": f"amqp://guest:guest@127.0.0.1:5672//?prefix=cli{run}.",
+    }[name]
+    queue = f"cli-{run}"
+    app = make_app(anarchon_backend=url, task_default_queue=queue, anarchon_run_now_guard=2)
+    controls = [Control(app) for _ in range(4)]
+    for control in controls:  # connected (and tables made) before the race
+        control.backend.open()
+    barrier = threading.Barrier(len(controls))
+    results: list[Any] = []
+
+    def call(control: Control) -> None:
+        barrier.wait()
+        results.append(control.run_now("minutely"))
+
+    try:
+        threads = [threading.Thread(target=call, args=(c,)) for c in controls]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert len(results) == len(controls)
+        assert sum(r.sent for r in results) == 1, results
+        time.sleep(2.2)
+        assert controls[0].run_now("minutely").sent is True  # the guard has passed
+        sent = read_queue(BROKER, queue, timeout=1.0)
+        assert [h["anarchon_job"] for h in sent] == ["minutely", "minutely"]
+    finally:
+        for control in controls:
+            control.close()
         if name in {"postgresql", "mysql"}:
             drop_tables(url, f"cli{run}_")
 
@@ -487,7 +660,7 @@ def test_jobs_shows_schedules_zones_next_slots_and_options(cluster: BeatCluster)
     assert jobs["every-second"]["options"]["jitter"] == 2.0
     assert jobs["every-second"]["next"][0]["utc"].endswith("Z")
     text = invoke(cluster_app(cluster), "jobs").stdout
-    assert "schedule  every 1s from 1970-01-01T00:00:00Z" in text
+    assert "schedule  every 1s (anchor 1970-01-01T00:00:00Z)" in text
     assert "options   jitter=2s max_late=60s overlap=allow catch_up=none" in text
 
 
@@ -503,7 +676,9 @@ def test_history_and_last_run_show_what_the_beats_sent(cluster: BeatCluster) -> 
     for record in records:
         assert record["state"] in {"claimed", "sent"}
         assert int(record["instance"].rsplit(":", 2)[1]) in pids
-        assert record["task_id"] in (None, task_id_for("every-second", record["slot_ms"]))
+        namespace = backend_from_url(cluster.backend, instance="cli").namespace
+        task_id = task_id_for("every-second", record["slot_ms"], namespace=namespace)
+        assert record["task_id"] in (None, task_id)
         assert record["slot"].endswith("Z") and record["claimed_at_ms"] >= record["slot_ms"]
     # The beats keep sending: last-run lies between two reads of the history.
     before = sent_slots(app, "every-second")
@@ -601,6 +776,10 @@ def test_the_demo_removes_its_temporary_folder_after_a_good_run(tmp_path: Path) 
     assert done.returncode == 0, done.stdout + done.stderr
     assert "duplicates=0 missed=0" in done.stdout
     assert list(tmp_path.glob("anarchon-demo-*")) == []
+    # "sent per instance" counts the slots of the summary: it adds up to sent=.
+    per_instance = done.stdout.split("sent per instance: ")[1].splitlines()[0]
+    sent = int(done.stdout.split(" sent=")[1].split()[0])
+    assert sum(int(part.rsplit("=", 1)[1]) for part in per_instance.split(", ")) == sent
 
 
 def test_the_demo_keeps_its_folder_when_the_run_fails(tmp_path: Path) -> None:

@@ -182,3 +182,45 @@ def test_a_job_whose_args_the_serializer_refuses_stops_no_other_job(tmp_path: Pa
         reader.close()
     assert records and all(r.state.value == "lost" for r in records), records
     assert all("EncodeError" in (r.error or "") for r in records), records
+
+
+#: A job of the first-deploy tests: every 5 s, default max_late (60 s).
+POLL = {"poll": {"task": "itest.noop", "schedule": 5.0}}
+
+
+def test_a_new_job_sends_no_slot_from_before_start_up_but_a_known_one_does(
+    tmp_path: Path,
+) -> None:
+    """A first deploy: the backend has never seen ``poll``, so the beat's
+    first slot is the first at or after its start (1 s grace), not the
+    first of the last max_late. Restarted after a pause, the job has
+    history: the slot that passed while it was down (inside max_late) is
+    still sent, late, as before."""
+    require_service("redis")
+    run = uuid.uuid4().hex[:8]
+    cluster = BeatCluster(
+        f"{REDIS_URL}?prefix=anarchon-it:{run}:", tmp_path, conf={"beat_schedule": POLL}
+    )
+    try:
+        launched = time.time()
+        cluster.start(1)
+        assert cluster.wait_ticking(timeout=60), cluster.logs()
+        time.sleep(6)
+        cluster.stop()
+        first_run = sorted(h["anarchon_slot"] for h in cluster.read_sent())
+        assert first_run, cluster.logs()
+        assert first_run[0] >= (launched - 1) * 1000, (launched, first_run)
+        down = time.time()
+        time.sleep(6)  # at least one slot passes while no beat runs
+        again = cluster.start(1)
+        assert cluster.wait_ticking(again, timeout=60), cluster.logs()
+        time.sleep(2)
+        cluster.stop()
+        second_run = sorted(h["anarchon_slot"] for h in cluster.read_sent())
+    finally:
+        cluster.stop()
+    gap = [s for s in second_run if s > first_run[-1] and s < (down + 6) * 1000]
+    assert gap == [first_run[-1] + 5000 * (i + 1) for i in range(len(gap))] and gap, (
+        first_run,
+        second_run,
+    )

@@ -386,6 +386,19 @@ class Backend(abc.ABC):
     def close(self) -> None:
         """Release connections this backend opened. Safe to call twice."""
 
+    @property
+    def namespace(self) -> str:
+        """What keeps this cluster's claims apart from another's on the same
+        server: the backend's ``prefix`` (tables, keys or queues). Task ids
+        include it (:func:`celery_anarchon.message.task_id_for`)."""
+        return str(getattr(self, "prefix", ""))
+
+    def exists(self) -> bool:
+        """False when the backend's store was never created and
+        :meth:`open` would create it (a SQLite file not there yet); True
+        for a server backend, which is there or unreachable."""
+        return True
+
     @abc.abstractmethod
     def now_ms(self) -> int:
         """The backend's clock (the server's where it has one), epoch ms."""
@@ -522,6 +535,21 @@ class Backend(abc.ABC):
 
         Raises:
             BackendUnavailable: no answer.
+        """
+
+    @abc.abstractmethod
+    def take_run_now_guard(self, job: str, hold_ms: int) -> bool:
+        """Take ``job``'s run-now guard for ``hold_ms`` milliseconds.
+
+        Atomic in the backend: of calls racing for a free guard, from any
+        host, exactly one takes it; every call until ``hold_ms`` after it
+        is refused. ``run_now`` without a key takes it before claiming, so
+        two quick calls send once whatever second they fall in.
+
+        Returns:
+            True when this call took the guard, False while it is held.
+        Raises:
+            BackendUnavailable: no answer (nothing taken).
         """
 
     def last_slots(self, jobs: Sequence[str]) -> dict[str, int]:

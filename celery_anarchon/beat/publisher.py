@@ -229,7 +229,8 @@ class Publisher:
         assert claim is not None
         lease_s = job.options.lease_ttl
         held_s = self._clock() - claimed_at
-        slot.task_id = task_id_for(job.name, slot.slot_ms)
+        assert self._link.backend is not None  # it answered the claim
+        slot.task_id = task_id_for(job.name, slot.slot_ms, namespace=self._link.backend.namespace)
         # Not released on shutdown from here on: a publish interrupted after
         # it reached the broker must fall to lease expiry (the documented
         # window, leaving a superseded record), never to a hand-over.

@@ -136,7 +136,7 @@ def test_sent_marks_lost_to_an_outage_are_retried(
             [record] = backup.history(f"job-{i:04d}")
             assert (record.state, record.task_id) == (
                 State.SENT,
-                task_id_for(f"job-{i:04d}", slot_ms),
+                task_id_for(f"job-{i:04d}", slot_ms, namespace=backup.namespace),
             )
         time.sleep(2.2)  # the 2 s lease ends: a backup checks the slots
         requests = [s.jobs[f"job-{i:04d}"].claim_request(slot_ms, 120) for i in range(5)]

@@ -55,12 +55,45 @@ def test_sends_each_due_slot_with_headers_and_derived_task_id(
         assert headers["anarchon_job"] == "tick"
         assert headers["anarchon_slot"] == slot
         assert headers["anarchon_token"] == 1
-        assert headers["id"] == task_id_for("tick", slot)
+        task_id = task_id_for("tick", slot, namespace=s.backend.namespace)  # type: ignore[union-attr]
+        assert headers["id"] == task_id
         assert headers["task"] == "proj.tick"
         [record] = s.backend.history("tick")  # type: ignore[union-attr]
-        assert (record.state, record.task_id) == (State.SENT, task_id_for("tick", slot))
+        assert (record.state, record.task_id) == (State.SENT, task_id)
     finally:
         s.close()
+
+
+def test_two_projects_sharing_a_backend_send_different_task_ids_for_one_slot(
+    t0: float, tmp_path: Path, every_second: dict[str, Any]
+) -> None:
+    """Two projects, each with a job ``tick``, on one backend under their
+    own prefixes: one slot, two task ids (a shared result backend would
+    otherwise mix their results); each instance of a project derives its
+    project's id."""
+    slot = int((t0 + 1) * 1000)
+    ids = {}
+    for project in ("shop", "blog"):
+        app = sqlite_app(
+            tmp_path,
+            every_second,
+            anarchon_max_late=0.5,
+            anarchon_backend_options={"prefix": f"{project}_"},
+            task_default_queue=f"q-{project}",
+        )
+        clock = Clock(t0 + 0.5)
+        s = Scheduler(app, clock=clock)
+        try:
+            s.tick()
+            clock.now = t0 + 1.0
+            s.tick()
+            [headers] = sent_messages(app)
+            assert headers["anarchon_slot"] == slot
+            ids[project] = headers["id"]
+            assert ids[project] == task_id_for("tick", slot, namespace=f"{project}_")
+        finally:
+            s.close()
+    assert ids["shop"] != ids["blog"]
 
 
 def test_apply_entry_never_raises(t0: float, tmp_path: Path, every_second: dict[str, Any]) -> None:

@@ -415,6 +415,19 @@ class RedisBackend(RedisRegistry):
             return Claim(job, int(slot_ms), won=True, token=int(token))
         return Claim(job, int(slot_ms), won=False, reason="taken")
 
+    def take_run_now_guard(self, job: str, hold_ms: int) -> bool:
+        """Take the guard: ``SET <tag>:run-now-guard 1 NX PX hold_ms``, one
+        atomic command, expired by the server's clock.
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        with self._translated("SET"):
+            taken = self._require_client().set(
+                f"{self._tag(job)}:run-now-guard", 1, nx=True, px=max(1, hold_ms)
+            )
+        return bool(taken)
+
     # -- history -------------------------------------------------------------
 
     # -- instance registry ---------------------------------------------------

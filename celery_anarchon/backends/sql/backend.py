@@ -27,6 +27,10 @@ logger = logging.getLogger(__name__)
 #: Most candidate milliseconds a manual run tries before giving up.
 MANUAL_SLOT_TRIES = 100
 
+#: The ``<prefix>manual`` key of a job's run-now guard: ``run_now`` refuses
+#: an empty key, so no manual run ever uses it.
+GUARD_KEY = ""
+
 
 class SQLBackend(SQLLeases):
     """Lease backend on SQLite, PostgreSQL or MySQL/MariaDB (SQLAlchemy Core).
@@ -480,6 +484,41 @@ class SQLBackend(SQLLeases):
                 conn.execute(sa.update(manual).where(*this_key).values(slot_ms=slot))
         logger.debug("anarchon: manual run of %r under key %r claimed", job, key)
         return Claim(job, slot, won=True, token=1)
+
+    def take_run_now_guard(self, job: str, hold_ms: int) -> bool:
+        """Take the guard: the ``<prefix>manual`` row of ``(job, '')`` (a key
+        ``run_now`` refuses), held until its ``keep_until_ms``.
+
+        One transaction: insert the row if absent, else
+        ``UPDATE .. SET keep_until_ms = now + hold_ms WHERE keep_until_ms
+        <= now``; taken when a row was written (by the database clock). A
+        racer waits on the row lock and then finds the guard held.
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        manual = self._tables.manual
+        with self._write("take the run-now guard") as conn:
+            now = self._now(conn)
+            row = {
+                "job": key_of(job),
+                "manual_key": GUARD_KEY,
+                "slot_ms": now,
+                "keep_until_ms": now + hold_ms,
+            }
+            if self._insert_if_absent(conn, manual, row):
+                return True
+            freed = conn.execute(
+                sa.update(manual)
+                .where(
+                    manual.c.job == key_of(job),
+                    manual.c.manual_key == GUARD_KEY,
+                    manual.c.keep_until_ms <= now,
+                )
+                .values(slot_ms=now, keep_until_ms=now + hold_ms),
+                execution_options={"preserve_rowcount": True},
+            )
+            return bool(freed.rowcount == 1)
 
     def _insert_manual_run(
         self, conn: Connection, job: str, key: str, now: int, keep_until_ms: int

@@ -383,6 +383,10 @@ class SQLConnection(SQLDialects):
             self._measure_clock_offset()
         logger.info("anarchon: SQL backend ready: %s", self.describe())
 
+    def exists(self) -> bool:
+        """False for a SQLite file that is not there yet (opening creates it)."""
+        return self.kind != "sqlite" or os.path.exists(self._url.database or "")
+
     def close(self) -> None:
         """Dispose of the engine this backend made; a user's Engine is left
         untouched. Safe to call twice; a later call reopens. In a process
