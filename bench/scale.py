@@ -103,6 +103,9 @@ def stub_backend_class() -> type[Any]:
         def claim_manual(self, job: str, key: str, keep_until_ms: int) -> Any:
             return Claim(job, self.now_ms(), won=True, token=1)
 
+        def take_run_now_guard(self, job: str, hold_ms: int) -> bool:
+            return True
+
         def take_over_many(self, requests: Sequence[Any]) -> list[Any]:
             return [Claim(r.job, r.slot_ms, won=False, reason="taken") for r in requests]
 

@@ -19,18 +19,22 @@ from dataclasses import dataclass, field
 from typing import Any
 from zoneinfo import ZoneInfo
 
+from celery import beat
+from kombu.serialization import dumps
+
 from .backends import backend_from_url, sanitize_url
 from .backends.base import Backend
 from .beat.registry import registry_ttl
 from .exceptions import BackendUnavailable, ConfigurationError
 from .metrics import metrics_config
-from .model import Entry, Job, app_zone, build_jobs
-from .settings import Settings
+from .model import Entry, Job, app_zone, build_jobs, missing_key
+from .settings import Settings, is_anarchon_key
 
 __all__ = [
     "ENTRY_KEYS",
     "CheckResult",
     "Probe",
+    "args_problem",
     "check_backend_supports",
     "one_line",
     "has_clock",
@@ -78,6 +82,46 @@ def check_backend_supports(backend: Backend, settings: Settings, job: Job) -> No
     backend.check_job(
         job.name, jitter_s=o.jitter, max_late_s=o.max_late, max_skew_s=settings.max_skew
     )
+
+
+def args_problem(app: Any, name: str, entry: beat.ScheduleEntry) -> str | None:
+    """Why ``entry``'s args and kwargs cannot be sent, or None: they are
+    checked once against the task's signature (a task registered in this
+    process, under Celery's ``strict_typing``), then encoded once with the
+    serializer their publish uses (the entry's ``options['serializer']``,
+    else its task's, else ``task_serializer``). Beat logs the same text at
+    start-up and records each of the job's slots ``lost`` with the error;
+    ``check`` reports it. Lazy values (``BeatLazyFunc``) are evaluated only
+    when sent, so an entry holding one is not checked."""
+    options = entry.options or {}
+    task = app.tasks.get(entry.task) if entry.task else None
+    serializer = (
+        options.get("serializer") or getattr(task, "serializer", None) or app.conf.task_serializer
+    )
+    args, kwargs = list(entry.args or ()), dict(entry.kwargs or {})
+    if any(isinstance(v, beat.BeatLazyFunc) for v in [*args, *kwargs.values()]):
+        return None
+    header = getattr(task, "__header__", None) if getattr(task, "typing", False) else None
+    if header is not None:
+        try:
+            header(*args, **kwargs)
+        except TypeError as exc:
+            return (
+                f"beat_schedule[{name!r}]: task {entry.task!r} does not take its args or "
+                f"kwargs ({exc}); every slot of it would be recorded lost. Fix: give the args "
+                "and kwargs the task's signature takes."
+            )
+    try:
+        dumps((args, kwargs), serializer=serializer)
+    except Exception as exc:
+        return (
+            f"beat_schedule[{name!r}]: the serializer {serializer!r} refuses its args or "
+            f"kwargs ({type(exc).__name__}: {one_line(exc)}); every slot of it would be "
+            "recorded lost. Fix: give args and kwargs that serializer can encode (for "
+            "'json': strings, numbers, booleans, None, lists and dicts, e.g. an id the task "
+            "looks up), or set the entry's options={'serializer': ...} to one that can."
+        )
+    return None
 
 
 @dataclass
@@ -182,8 +226,13 @@ def _check_jobs(
             jobs.update(build_jobs({name: entry}, job_settings, zone))
         except ConfigurationError as exc:
             result.problem(f"beat_schedule[{name!r}]", str(exc))
+            continue
         except Exception as exc:  # a schedule object that fails in its own way
             result.problem(f"beat_schedule[{name!r}]", f"{type(exc).__name__}: {exc}")
+            continue
+        problem = args_problem(app, name, entry)
+        if problem is not None:
+            result.problem(f"beat_schedule[{name!r}]", problem)
     return jobs
 
 
@@ -192,9 +241,7 @@ class _DefaultsOnly:
     can still be checked when the global settings are broken."""
 
     def __init__(self, app: Any) -> None:
-        self.conf = {
-            key: value for key, value in app.conf.items() if not key.startswith("anarchon_")
-        }
+        self.conf = {key: value for key, value in app.conf.items() if not is_anarchon_key(key)}
 
 
 def _check_entries(app: Any, result: CheckResult) -> dict[str, Entry]:
@@ -219,7 +266,7 @@ def _check_entries(app: Any, result: CheckResult) -> dict[str, Entry]:
             key for key in ("task", "schedule") if spec.get(key) is None and key not in meant
         ]
         for key in missing:
-            result.problem(where, f"{where}: no {key!r}; every entry needs a task and a schedule.")
+            result.problem(where, missing_key(name, key))
         if unknown or missing:
             continue
         try:

@@ -22,8 +22,10 @@ Exit codes (the same for every command):
       than ``max_skew``, a stale heartbeat, jobs defined differently on
       different instances); ``last-run`` found no run; ``run-now`` did
       not send (the key was used before, or the broker refused the task).
-2     Usage: a bad option or argument, an unknown job.
-3     The claim backend is unreachable.
+2     Usage: a bad option or argument, an unknown job, no ``-A`` (Celery's
+      empty default app).
+3     The claim backend is unreachable, or (SQLite) its file does not
+      exist yet: the reading commands never create it.
 4     The app's configuration cannot be loaded (a bad setting or
       schedule); ``check`` lists every problem.
 ====  ==================================================================
@@ -48,8 +50,9 @@ from .backends.base import Backend, InstanceInfo, RunRecord
 from .beat.registry import HEARTBEAT_INTERVAL, schedule_fingerprint
 from .checks import CheckResult, Probe, has_clock, one_line, probe_backend, run_check
 from .control import Control
-from .exceptions import BackendUnavailable, ConfigurationError
+from .exceptions import BackendMissing, BackendUnavailable, ConfigurationError
 from .model import Job, app_zone
+from .slots import CronSlots, IntervalSlots, Slots
 
 __all__ = [
     "anarchon",
@@ -96,13 +99,15 @@ def _handled(func: _F) -> _F:
             return func(*args, **kwargs)
         except _Fail as exc:
             _exit(exc.code, exc.message, as_json)
+        except BackendMissing as exc:
+            _exit(EXIT_UNREACHABLE, f"no claim backend: {one_line(exc)}", as_json)
         except BackendUnavailable as exc:
             _exit(EXIT_UNREACHABLE, f"claim backend unreachable: {one_line(exc)}", as_json)
         except ConfigurationError as exc:
             _exit(
                 EXIT_CONFIG,
                 f"configuration error: {one_line(exc)} "
-                "(`celery anarchon check` lists every problem)",
+                "(`celery -A proj anarchon check` lists every problem)",
                 as_json,
             )
 
@@ -127,9 +132,27 @@ def _app(ctx: click.Context) -> Any:
     Celery's own commands get it)."""
     obj = ctx.obj
     app = getattr(obj, "app", None)
-    if app is None:
-        raise click.UsageError("run it as `celery -A proj anarchon ...`", ctx=ctx)
+    if app is None or _is_celery_default_app(app):
+        raise click.UsageError(
+            "no app given: run it as `celery -A proj anarchon ...`, with -A naming the "
+            "module of your Celery app (the one beat runs with)",
+            ctx=ctx,
+        )
     return app
+
+
+def _is_celery_default_app(app: Any) -> bool:
+    """True for the app Celery falls back to without ``-A``: it has no
+    ``beat_schedule`` and no ``anarchon_backend``, so a command on it would
+    report an empty cluster (and, for SQLite, read a file beside the
+    current folder)."""
+    from celery import _state
+
+    return (
+        app is _state.default_app
+        and not app.conf.beat_schedule
+        and app.conf.get("anarchon_backend") is None
+    )
 
 
 def _control(ctx: click.Context) -> Control:
@@ -272,7 +295,7 @@ def _describe_job(job: Job, backend: Backend, app_zone_: ZoneInfo, now_ms: int) 
     described: dict[str, Any] = {
         "name": job.name,
         "task": job.entry.task,
-        "schedule": job.slots.describe(),
+        "schedule": _schedule_text(job.slots),
         "zone": _zone_name(zone),
         "next": [{"slot_ms": s, "utc": _utc(s), "local": _local(s, zone)} for s in slots],
         "options": job.options.as_dict(),
@@ -282,6 +305,28 @@ def _describe_job(job: Job, backend: Backend, app_zone_: ZoneInfo, now_ms: int) 
     if gate_queue is not None and slots:
         described["gate_queue"] = gate_queue(job.name, slots[0])
     return described
+
+
+def _schedule_text(slots: Slots) -> str:
+    """The schedule as ``jobs`` shows it: an interval in days or hours with
+    the weekday and time its anchor puts the slots on (the Unix epoch, a
+    Thursday 00:00 UTC, unless an anchor is set); a cron with a seconds
+    field named as such (POSIX cron has five fields)."""
+    if isinstance(slots, IntervalSlots):
+        interval_s = slots.interval_ms / 1000
+        anchor = datetime.fromtimestamp(slots.anchor_ms / 1000, timezone.utc)
+        at = anchor.strftime("%H:%M") + (anchor.strftime(":%S") if anchor.second else "")
+        if interval_s == 7 * 86400:
+            on = f"{anchor.strftime('%A')}s {at} UTC"
+        elif interval_s % 86400 == 0:
+            on = f"days at {at} UTC from {anchor.strftime('%A')}"
+        else:
+            return f"every {_seconds(interval_s)} (anchor {_utc(slots.anchor_ms)})"
+        return f"every {_seconds(interval_s)}: {on} (anchor {_utc(slots.anchor_ms)})"
+    if isinstance(slots, CronSlots) and len(slots.expr.split()) == 6 and slots.day_or:
+        zone = _zone_name(slots.zone)
+        return f"{slots.kind} '{slots.expr}' (with seconds; day-of-month OR day-of-week) {zone}"
+    return slots.describe()
 
 
 def _options_text(options: Mapping[str, Any]) -> str:
@@ -327,6 +372,7 @@ def history(ctx: click.Context, job: str, limit: int, as_json: bool) -> None:
     in the backend's history.
     """
     with _control(ctx) as control:
+        control.require_backend()
         records = control.history(job, limit)
         known = job in control.jobs
         if not records and not known:
@@ -396,6 +442,7 @@ def _unknown_job(job: str, control: Control) -> str:
 def last_run(ctx: click.Context, job: str, as_json: bool) -> None:
     """The newest run of JOB that was really sent (exit 1 when there is none)."""
     with _control(ctx) as control:
+        control.require_backend()
         record = control.last_run(job)
         if record is None and job not in control.jobs and not control.history(job, 1):
             raise _Fail(EXIT_USAGE, _unknown_job(job, control))
@@ -429,8 +476,9 @@ def last_run(ctx: click.Context, job: str, as_json: bool) -> None:
 @click.option(
     "--key",
     default=None,
-    help="Calls with the same key send once, from any host [default: the "
-    "current second, so a double click sends once].",
+    help="Calls with the same key send once, from any host [default: no key; "
+    "then a call is refused while the job's previous call without a key is "
+    "younger than anarchon_run_now_guard (5 s), so a double click sends once].",
 )
 @json_option
 @click.pass_context
@@ -439,7 +487,8 @@ def run_now(ctx: click.Context, job: str, key: str | None, as_json: bool) -> Non
     """Send JOB's task now, once per --key across all hosts; prints the task id.
 
     Exit 0 when this call sent it; 1 when a call with the same key already
-    did (the task id printed is that run's), or the broker refused the task
+    did (the task id printed is that run's), a call without --key came less
+    than anarchon_run_now_guard ago, or the broker refused the task
     (recorded ``lost``).
     """
     with _control(ctx) as control:
@@ -459,6 +508,13 @@ def run_now(ctx: click.Context, job: str, key: str | None, as_json: bool) -> Non
             click.echo(json.dumps(asdict(result)))
         elif result.sent:
             click.echo(f"{job}: sent, task id {result.task_id} (key {result.key})")
+        elif result.guarded:
+            guard = _seconds(control.settings.run_now_guard)
+            previous = f" (task id {result.task_id})" if result.task_id else ""
+            click.echo(
+                f"{job}: not sent: a run-now of it was sent less than {guard} ago{previous} "
+                f"(anarchon_run_now_guard={guard}); pass --key to send another run at once"
+            )
         else:
             click.echo(
                 f"{job}: not sent: key {result.key!r} was used before; "
@@ -501,6 +557,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
     """
     with _control(ctx) as control:
         backend = control.backend
+        control.require_backend()
         probe = probe_backend(backend)
         report = _Status(
             backend=backend.describe(),
@@ -520,7 +577,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
                     for info in live
                 ]
             now_ms = probe.backend_now_ms or backend.now_ms()
-            _check_instances(report, live, now_ms)
+            _check_instances(report, live, now_ms, _app_option(ctx, control.app))
         else:
             report.notes.append(
                 "claim-only backend: no instance registry is kept, so live instances "
@@ -543,7 +600,16 @@ def status(ctx: click.Context, as_json: bool) -> None:
             raise click.exceptions.Exit(EXIT_PROBLEM)
 
 
-def _check_instances(report: _Status, live: Sequence[InstanceInfo], now_ms: int) -> None:
+def _app_option(ctx: click.Context, app: Any) -> str:
+    """What to pass to ``-A`` for this app: the ``-A`` this command got,
+    else the app's name."""
+    given = ctx.find_root().params.get("app")
+    return given if isinstance(given, str) and given else str(app.main or "proj")
+
+
+def _check_instances(
+    report: _Status, live: Sequence[InstanceInfo], now_ms: int, app_name: str
+) -> None:
     skew_ms = report.max_skew_s * 1000
     for info in live:
         offset = (
@@ -572,7 +638,7 @@ def _check_instances(report: _Status, live: Sequence[InstanceInfo], now_ms: int)
     if not live:
         report.warnings.append(
             "no live instance in the registry: no slot is being sent. Start "
-            "`celery -A proj beat -S celery_anarchon.Scheduler` on at least one host."
+            f"`celery -A {app_name} beat -S celery_anarchon.Scheduler` on at least one host."
         )
     names = sorted({name for info in live for name in info.jobs})
     for name in names:

@@ -7,7 +7,7 @@
     with Control(app) as control:
         control.history("nightly-report", limit=10)
         control.last_run("nightly-report")
-        control.run_now("nightly-report")        # sends once per second
+        control.run_now("nightly-report")        # refused if one ran < 5 s ago
         control.run_now("nightly-report", key="deploy-42")  # once per key
 
 The ``celery anarchon`` commands are a thin layer over this class.
@@ -16,14 +16,13 @@ The ``celery anarchon`` commands are a thin layer over this class.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
 from .backends import backend_from_url
 from .backends.base import Backend, InstanceInfo, RunRecord, State
 from .beat.registry import new_instance_id
-from .exceptions import ConfigurationError
+from .exceptions import BackendMissing, ConfigurationError
 from .message import manual_task_id, send_slot
 from .model import Entry, Job, app_zone, build_jobs
 from .settings import Settings
@@ -42,12 +41,15 @@ class RunNowResult:
 
     Attributes:
         job: the job's name.
-        key: the run-now key used.
+        key: the run-now key used (without a key: the claim time, epoch ms).
         sent: True when this call sent the task; False when a call with the
-            same key already did (on any host).
-        task_id: the task id of the run (the same for every call with one key).
+            same key already did (on any host), or (``guarded``) a call
+            without a key came less than ``anarchon_run_now_guard`` ago.
+        task_id: the task id of the run (the same for every call with one
+            key); when ``guarded``, the previous run's, or "" if unknown.
         slot_ms: the run's slot (the backend's now when it was claimed),
             epoch ms, or None when not sent by this call.
+        guarded: True when refused by the run-now guard.
     """
 
     job: str
@@ -55,6 +57,7 @@ class RunNowResult:
     sent: bool
     task_id: str
     slot_ms: int | None
+    guarded: bool = False
 
 
 class Control:
@@ -99,11 +102,31 @@ class Control:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _open(self) -> Backend:
+    def _open(self, *, create: bool = False) -> Backend:
+        """The backend, opened; a read (``create=False``) never creates
+        its store (see :meth:`require_backend`)."""
         if not self._opened:
+            if not create:
+                self.require_backend()
             self.backend.open()
             self._opened = True
         return self.backend
+
+    def require_backend(self) -> None:
+        """Check that the backend's store exists, without creating it.
+
+        Raises:
+            BackendMissing: a SQLite file that is not there: beat creates
+                it on its first start; a command run from another folder
+                than beat's reads another default path.
+        """
+        if not self.backend.exists():
+            raise BackendMissing(
+                f"{self.backend.describe()} does not exist: beat creates it on its first "
+                "start. Run the command where beat runs, with beat's -s file "
+                "(`celery -A proj anarchon -s FILE ...`), or set anarchon_backend to the "
+                "shared backend beat uses."
+            )
 
     def job(self, name: str) -> Job:
         """The job called ``name``.
@@ -124,17 +147,25 @@ class Control:
 
         Works for a job no longer in ``beat_schedule`` too (its history stays).
 
+        Empty, and nothing created, when the SQLite file does not exist yet.
+
         Raises:
             BackendUnavailable: the backend does not answer.
         """
+        if not self._opened and not self.backend.exists():
+            return []
         return self._open().history(job, limit)
 
     def last_run(self, job: str) -> RunRecord | None:
         """The newest run of ``job`` that was really sent, or None.
 
+        None, and nothing created, when the SQLite file does not exist yet.
+
         Raises:
             BackendUnavailable: the backend does not answer.
         """
+        if not self._opened and not self.backend.exists():
+            return None
         return self._open().last_run(job)
 
     def run_now(self, job: str, key: str | None = None) -> RunNowResult:
@@ -142,19 +173,31 @@ class Control:
 
         Args:
             job: the job's name in ``beat_schedule``.
-            key: calls with the same key send once; default: the current
-                second (UTC epoch seconds), so a double click sends once.
+            key: calls with the same key send once. Without a key, the call
+                is refused while the job's previous call without a key is
+                younger than ``anarchon_run_now_guard`` (5 s by default),
+                judged atomically in the backend, so a double click sends
+                once whatever second each click falls in.
         Returns:
             a :class:`RunNowResult`.
         Raises:
-            ConfigurationError: unknown job.
+            ConfigurationError: unknown job, or an empty ``key``.
             BackendUnavailable: the backend does not answer (nothing sent).
             Exception: the broker refused the send (recorded as ``lost``).
         """
         target = self.job(job)
-        key = key if key is not None else str(int(time.time()))
-        backend = self._open()
-        task_id = manual_task_id(job, key)
+        if key == "":
+            raise ConfigurationError(f"run_now({job!r}): the key must not be empty.")
+        backend = self._open(create=True)
+        if key is None:
+            guard_ms = round(self.settings.run_now_guard * 1000)
+            if guard_ms > 0 and not backend.take_run_now_guard(job, guard_ms):
+                previous = next((r for r in backend.history(job, 20) if r.manual_key), None)
+                task_id = (previous.task_id or "") if previous else ""
+                key = previous.manual_key or "" if previous else ""
+                return RunNowResult(job, key, False, task_id, slot_ms=None, guarded=True)
+            key = str(backend.now_ms())
+        task_id = manual_task_id(job, key, namespace=backend.namespace)
         claim = backend.claim_manual(job, key, backend.now_ms() + MANUAL_KEY_KEEP_MS)
         if not claim.won:
             return RunNowResult(job, key, sent=False, task_id=task_id, slot_ms=None)

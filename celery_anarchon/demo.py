@@ -189,6 +189,7 @@ def _report(folder: Path, start_s: float, end_s: float) -> int:
     senders = _senders(folder)
     expected = _expected_slots(start_s, end_s)
     slots = sent = duplicates = missed = 0
+    per_instance: Counter[str] = Counter()  # of the counted slots, as sent= is
     print(f"\n{'job':<16} {'slot (UTC)':<26} {'sent by':<34} executed")
     for job, job_slots in expected.items():
         for slot in job_slots:
@@ -197,6 +198,8 @@ def _report(folder: Path, start_s: float, end_s: float) -> int:
             sent += 1 if count else 0
             duplicates += max(count - 1, 0)
             missed += 0 if count else 1
+            if count:
+                per_instance[senders.get((job, slot), "-")] += 1
             stamp = time.strftime("%H:%M:%S", time.gmtime(slot / 1000)) + f".{slot % 1000:03d}Z"
             print(f"{job:<16} {stamp:<26} {senders.get((job, slot), '-'):<34} {count}x")
     # Extra executions outside the counted window are duplicates all the same.
@@ -205,7 +208,6 @@ def _report(folder: Path, start_s: float, end_s: float) -> int:
         for (job, slot), c in executions.items()
         if c > 1 and slot not in expected.get(job, [])
     )
-    per_instance = Counter(senders.values())
     print("\nsent per instance: " + ", ".join(f"{k}={v}" for k, v in sorted(per_instance.items())))
     print(f"slots={slots} sent={sent} duplicates={duplicates} missed={missed}")
     return 0 if duplicates == 0 and missed == 0 and slots > 0 else 1

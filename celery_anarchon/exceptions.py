@@ -10,6 +10,7 @@ __all__ = [
     "AnarchonError",
     "ConfigurationError",
     "BackendUnavailable",
+    "BackendMissing",
     "LeaseLost",
 ]
 
@@ -32,6 +33,13 @@ class BackendUnavailable(AnarchonError):
 
     Always raised ``from`` the driver's own error. The scheduler treats it as
     a lost claim: it never sends a slot it could not claim.
+    """
+
+
+class BackendMissing(BackendUnavailable):
+    """A read found no backend to read: its store was never created (a
+    SQLite file that is not there yet). Reading does not create it; beat
+    does, on its first start.
     """
 
 

@@ -37,15 +37,23 @@ HEADER_SLOT = "anarchon_slot"
 HEADER_TOKEN = "anarchon_token"
 
 
-def task_id_for(job: str, slot_ms: int) -> str:
-    """The Celery task id of ``job``'s run at ``slot_ms``: the same on every
-    host, so a second publish of one slot carries the same id."""
-    return str(uuid.uuid5(TASK_ID_NAMESPACE, f"{job}\x00{slot_ms}"))
+def task_id_for(job: str, slot_ms: int, *, namespace: str) -> str:
+    """The Celery task id of ``job``'s run at ``slot_ms`` (epoch ms):
+    ``uuid5(TASK_ID_NAMESPACE, "<namespace>\\0<job>\\0<slot_ms>")``.
+
+    ``namespace`` is the claim backend's (:attr:`Backend.namespace`, its
+    prefix): the same on every host of one cluster, so a second publish of
+    one slot carries the same id; different for two projects that keep
+    their claims apart, so their runs of a same-named job at one slot never
+    share an id (nor a result in a shared result backend).
+    """
+    return str(uuid.uuid5(TASK_ID_NAMESPACE, f"{namespace}\x00{job}\x00{slot_ms}"))
 
 
-def manual_task_id(job: str, key: str) -> str:
-    """The task id of a ``run_now`` of ``job`` under ``key``."""
-    return str(uuid.uuid5(TASK_ID_NAMESPACE, f"{job}\x00manual\x00{key}"))
+def manual_task_id(job: str, key: str, *, namespace: str) -> str:
+    """The task id of a ``run_now`` of ``job`` under ``key``, in the claim
+    backend's ``namespace`` (as :func:`task_id_for`)."""
+    return str(uuid.uuid5(TASK_ID_NAMESPACE, f"{namespace}\x00{job}\x00manual\x00{key}"))
 
 
 def expires_for(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -19,6 +20,7 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 from celery import beat
+from celery import schedules as celery_schedules
 
 from .backends.base import ClaimRequest
 from .exceptions import ConfigurationError
@@ -27,11 +29,63 @@ from .settings import JobOptions, Settings
 from .slots import Slots, cron, oneoff, slots_for
 from .times import ms as _ms
 
-__all__ = ["KEEP_MARGIN_MS", "Entry", "Job", "app_zone", "build_jobs"]
+__all__ = [
+    "KEEP_MARGIN_MS",
+    "MIN_INTERVAL",
+    "Entry",
+    "Job",
+    "app_zone",
+    "build_jobs",
+    "missing_key",
+]
 
 #: Extra time a claim record is kept after the last instant a late instance
 #: could still try it, milliseconds.
 KEEP_MARGIN_MS = 60_000
+
+#: The shortest interval a job may have, seconds (docs/configuration.md):
+#: beat's tick resolution. Each slot is a claim round trip and a publish on
+#: every instance, and a tick of a busy beat takes milliseconds to tens of
+#: milliseconds; a shorter interval outruns the tick, and slots are missed
+#: in bulk instead of sent.
+MIN_INTERVAL = 0.1
+
+
+def missing_key(name: str | None, key: str) -> str:
+    """The error of an entry without ``key`` (``'task'`` or ``'schedule'``):
+    one text for ``celery anarchon check`` and beat's start-up."""
+    return f"beat_schedule[{name!r}]: no {key!r}; every entry needs a task and a schedule."
+
+
+def _check_interval(name: str | None, schedule: Any) -> None:
+    """Refuse an interval schedule (seconds, a timedelta, Celery's
+    ``schedule``) that is not finite or is below :data:`MIN_INTERVAL`.
+
+    Raises:
+        ConfigurationError: naming the job, the setting and the fix.
+    """
+    if isinstance(schedule, celery_schedules.schedule) and not isinstance(
+        schedule, (celery_schedules.crontab, celery_schedules.solar)
+    ):
+        schedule = schedule.run_every
+    if isinstance(schedule, timedelta):
+        seconds = schedule.total_seconds()
+    elif isinstance(schedule, (int, float)) and not isinstance(schedule, bool):
+        seconds = float(schedule)
+    else:
+        return
+    where = f"beat_schedule[{name!r}]['schedule']"
+    if not math.isfinite(seconds):
+        raise ConfigurationError(
+            f"{where}: interval {seconds!r} s is not a finite number. Fix: give a number of "
+            f"seconds of at least {MIN_INTERVAL:g}, a timedelta, or a cron schedule."
+        )
+    if seconds < MIN_INTERVAL:
+        raise ConfigurationError(
+            f"{where}: interval {seconds:g} s is below the floor of {MIN_INTERVAL:g} s (beat's "
+            "tick resolution: each slot is a claim and a publish, and shorter intervals "
+            f"outrun the tick). Fix: give an interval of at least {MIN_INTERVAL:g} s."
+        )
 
 
 class Entry(beat.ScheduleEntry):
@@ -57,6 +111,7 @@ class Entry(beat.ScheduleEntry):
         app: Any = None,
         anarchon: Mapping[str, Any] | None = None,
     ) -> None:
+        _check_interval(name, schedule)
         if isinstance(schedule, str):
             schedule = cron(schedule)
         elif isinstance(schedule, datetime):
@@ -188,11 +243,14 @@ def build_jobs(
     """Validate every entry and build its :class:`Job`.
 
     Raises:
-        ConfigurationError: a bad schedule or per-job option, naming the job.
+        ConfigurationError: an entry without a task, a bad schedule or
+            per-job option, naming the job.
     """
     jobs = {}
     shared: dict[Any, Slots] = {}  # one Slots per distinct definition
     for name, entry in entries.items():
+        if not entry.task:
+            raise ConfigurationError(missing_key(name, "task"))
         overrides = getattr(entry, "anarchon", None)
         options = settings.job_options(name, overrides)
         slots = slots_for(

@@ -51,6 +51,11 @@ JOB_KEYS = frozenset(
 #: of 60 s.
 DEFAULT_LEASE_TTL = 30.0
 
+#: Default ``anarchon_run_now_guard``, seconds: a double click, or two quick
+#: ``run-now`` calls from scripts, fall well inside it; a deliberate second
+#: run a few seconds later does not.
+DEFAULT_RUN_NOW_GUARD = 5.0
+
 
 def _where(job: str | None) -> str:
     return f"beat_schedule[{job!r}]['anarchon']: " if job else ""
@@ -143,6 +148,8 @@ class Settings:
             checked (backend unavailable), discard the delivery (True) or
             run it and log (False, the default); see
             :mod:`celery_anarchon.worker`.
+        run_now_guard: a ``run_now`` without a key is refused while the
+            job's previous one is younger than this, seconds (0: never).
     """
 
     backend: str | None
@@ -153,6 +160,7 @@ class Settings:
     allow_eviction: bool
     explicit: frozenset[str] = field(default_factory=frozenset)
     worker_strict: bool = False
+    run_now_guard: float = DEFAULT_RUN_NOW_GUARD
 
     @classmethod
     def from_app(cls, app: Any, *, schedule_filename: str | None = None) -> Settings:
@@ -219,6 +227,9 @@ class Settings:
             allow_eviction=flag(get("allow_eviction", False), setting="anarchon_allow_eviction"),
             explicit=explicit,
             worker_strict=flag(get("worker_strict", False), setting="anarchon_worker_strict"),
+            run_now_guard=seconds(
+                get("run_now_guard", DEFAULT_RUN_NOW_GUARD), setting="anarchon_run_now_guard"
+            ),
         )
 
     def effective_backend_options(self) -> dict[str, Any]:
@@ -312,6 +323,7 @@ KNOWN_SETTINGS = frozenset(
         "anarchon_metrics_port",
         "anarchon_metrics_addr",
         "anarchon_worker_strict",
+        "anarchon_run_now_guard",
     }
 )
 
@@ -321,19 +333,36 @@ def _did_you_mean(name: str, choices: Any) -> str:
     return f" Did you mean {close[0]!r}?" if close else ""
 
 
+def is_anarchon_key(key: Any) -> bool:
+    """True for an ``anarchon_*`` key of ``app.conf``, also in the Django
+    form (``CELERY_ANARCHON_*`` with ``namespace='CELERY'``)."""
+    name = str(key).lower()
+    return name.startswith(("anarchon_", "celery_anarchon_"))
+
+
 def _refuse_unknown_settings(conf: Any) -> None:
-    """A misspelled ``anarchon_*`` setting would be silently ignored."""
+    """A misspelled ``anarchon_*`` setting would be silently ignored.
+
+    The suggestion keeps the form the user wrote: ``CELERY_ANARCHON_JITER``
+    suggests ``CELERY_ANARCHON_JITTER``, ``anarchon_jiter`` ``anarchon_jitter``.
+    """
     for key in conf:
-        name = str(key).lower()
-        for prefix in ("celery_", ""):
-            if name.startswith(f"{prefix}anarchon_"):
-                setting = name[len(prefix) :]
-                if setting not in KNOWN_SETTINGS:
-                    raise ConfigurationError(
-                        f"{key}: unknown setting.{_did_you_mean(setting, KNOWN_SETTINGS)} "
-                        "See the configuration reference for every anarchon_* setting."
-                    )
-                break
+        if not is_anarchon_key(key):
+            continue
+        written = str(key)
+        prefix = len("celery_") if written.lower().startswith("celery_") else 0
+        setting = written[prefix:].lower()
+        if setting in KNOWN_SETTINGS:
+            continue
+        close = difflib.get_close_matches(setting, list(KNOWN_SETTINGS), n=1)
+        hint = ""
+        if close:
+            meant = close[0].upper() if written[prefix:].isupper() else close[0]
+            hint = f" Did you mean {written[:prefix] + meant!r}?"
+        raise ConfigurationError(
+            f"{key}: unknown setting.{hint} "
+            "See the configuration reference for every anarchon_* setting."
+        )
 
 
 def _check_jitter(options: JobOptions, job: str | None) -> None:

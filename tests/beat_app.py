@@ -23,7 +23,7 @@ from typing import Any
 from celery import Celery
 
 from celery_anarchon.worker import install, integration_of
-from tests.beat.support import SEND_DELAY, install_send_delay
+from tests.beat.support import SEND_DELAY, give_unserializable_args, install_send_delay
 
 #: The jobs every integration test runs unless ITEST_CONF replaces them.
 SCHEDULES = {
@@ -47,6 +47,7 @@ app.conf.update(
 )
 _conf = json.loads(os.environ.get("ITEST_CONF", "{}"))
 install_send_delay(float(_conf.pop(SEND_DELAY, 0)))  # fault injection, see tests.beat.support
+give_unserializable_args(_conf)  # bad input, see tests.beat.support
 app.conf.update(_conf)
 install(app)
 

@@ -11,6 +11,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from celery_anarchon.cli import (
 )
 from celery_anarchon.message import task_id_for
 
+from .beat.support import Unserializable
 from .beat_app import SCHEDULES
 from .beats import BROKER, REPO, BeatCluster, read_queue
 from .conftest import MYSQL_URL, POSTGRES_URL, REDIS_URL, require_service
@@ -110,6 +112,15 @@ BAD_ENTRIES = [
     ("unparsable", {"task": "t", "schedule": "every day"}, "cannot read cron 'every day'"),
     ("zero-interval", {"task": "t", "schedule": 0}, "interval 0"),
     ("negative-interval", {"task": "t", "schedule": -5.0}, "interval -5"),
+    ("nan-interval", {"task": "t", "schedule": float("nan")}, "interval nan s is not a finite"),
+    (
+        "infinite-interval",
+        {"task": "t", "schedule": float("inf")},
+        "interval inf s is not a finite",
+    ),
+    ("tiny-interval", {"task": "t", "schedule": 0.001}, "below the floor of 0.1 s"),
+    ("tiny-timedelta", {"task": "t", "schedule": timedelta(milliseconds=50)}, "interval 0.05 s"),
+    ("no-task", {"schedule": 5.0}, "no 'task'; every entry needs a task"),
     ("unknown-option", {"task": "t", "schedule": 5, "anarchon": {"jiter": 1}}, "jiter"),
     ("unknown-entry-key", {"task": "t", "schedul": 5}, "Did you mean 'schedule'"),
     (
@@ -118,6 +129,72 @@ BAD_ENTRIES = [
         "jitter (30.0s) must be below",
     ),
 ]
+
+
+def test_check_names_args_the_serializer_refuses() -> None:
+    """Issue 12, item 1: ``check`` passed args that JSON cannot encode; each
+    entry's args and kwargs are now encoded once with its serializer."""
+    app = check_app()
+    app.conf.beat_schedule = {
+        **app.conf.beat_schedule,
+        "nonjson": {"task": "t", "schedule": 5.0, "args": [Unserializable()]},
+        "nonjson-kwargs": {"task": "t", "schedule": 5.0, "kwargs": {"x": Unserializable()}},
+        "pickled": {
+            "task": "t",
+            "schedule": 5.0,
+            "args": [Unserializable()],
+            "options": {"serializer": "pickle"},
+        },
+    }
+    report = invoke_json(app, "check", code=EXIT_PROBLEM)
+    problems = {p["where"]: p["message"] for p in report["problems"]}
+    assert set(problems) == {"beat_schedule['nonjson']", "beat_schedule['nonjson-kwargs']"}
+    for message in problems.values():
+        assert "serializer 'json' refuses its args or kwargs" in message
+        assert "Unserializable is not JSON serializable" in message
+        assert "Fix:" in message
+
+
+def test_check_names_args_the_task_does_not_take() -> None:
+    app = check_app()
+
+    @app.task(name="t.none")
+    def takes_nothing() -> None:
+        """Takes no arguments."""
+
+    app.conf.beat_schedule = {"extra": {"task": "t.none", "schedule": 5.0, "args": [1]}}
+    report = invoke_json(app, "check", code=EXIT_PROBLEM)
+    [problem] = report["problems"]
+    assert problem["where"] == "beat_schedule['extra']"
+    assert "task 't.none' does not take its args or kwargs" in problem["message"]
+
+
+@pytest.mark.services
+def test_check_connect_fails_for_a_wrong_redis_password() -> None:
+    """Issue 12, item 6: a Redis ACL user with a wrong password is a
+    configuration problem for ``check --connect``, as for beat, with the
+    URL masked (an ACL user of its own: the shared Redis keeps its
+    default user's settings)."""
+    require_service("redis")
+    import redis
+
+    user = f"anarchon-test-{uuid.uuid4().hex[:6]}"
+    client = redis.Redis.from_url(REDIS_URL)
+    client.acl_setuser(
+        user, enabled=True, passwords=["+secret"], keys=["*"], channels=["*"], commands=["+@all"]
+    )
+    try:
+        url = f"redis://{user}:wrong@127.0.0.1:6379/0?prefix=anarchon-auth:"
+        result = invoke(check_app(anarchon_backend=url), "check", "--connect")
+        good = f"redis://{user}:secret@127.0.0.1:6379/0?prefix=anarchon-auth:"
+        fine = invoke_json(check_app(anarchon_backend=good), "check", "--connect")
+    finally:
+        client.acl_deluser(user)
+        client.close()
+    assert result.exit_code == EXIT_PROBLEM, result.output
+    assert "refused the credentials" in result.output
+    assert "wrong" not in result.output.replace("wrong-", "")
+    assert fine["connected"] is True
 
 
 def check_app(**conf: Any) -> Celery:
@@ -188,6 +265,57 @@ def test_check_names_each_bad_setting(conf: dict[str, Any], where: str, message:
     assert message in report["problems"][0]["message"]
 
 
+def test_check_suggests_a_django_style_setting_in_the_form_written() -> None:
+    """``namespace='CELERY'`` settings: a typo is one problem, and the
+    suggestion is the uppercase name the user would write."""
+
+    class DjangoSettings:
+        CELERY_BROKER_URL = "memory://"
+        CELERY_ANARCHON_BACKEND = "redis://127.0.0.1:6379/0"
+        CELERY_ANARCHON_JITER = 1
+        CELERY_BEAT_SCHEDULE = {"fine": {"task": "t", "schedule": "*/5 * * * *"}}
+
+    app = Celery("django-style")
+    app.config_from_object(DjangoSettings, namespace="CELERY")
+    result = invoke(app, "check")
+    assert result.exit_code == EXIT_PROBLEM, result.output
+    assert "CELERY_ANARCHON_JITER: unknown setting" in result.output
+    assert "Did you mean 'CELERY_ANARCHON_JITTER'?" in result.output
+    assert "'anarchon_jitter'" not in result.output
+    assert "checked 1 valid job(s)" in result.output
+
+
+def test_jobs_shows_a_weekly_interval_in_days_with_its_anchor_and_cron_seconds() -> None:
+    from datetime import timedelta
+
+    app = check_app(
+        beat_schedule={
+            "weekly": {"task": "t", "schedule": timedelta(days=7)},
+            "every-2s": {"task": "t", "schedule": "* * * * * */2"},
+            "five": {"task": "t", "schedule": "*/5 * * * *"},
+        },
+    )
+    text = invoke(app, "jobs").stdout
+    assert "schedule  every 7d: Thursdays 00:00 UTC (anchor 1970-01-01T00:00:00Z)" in text
+    assert "604800s" not in text
+    assert "cron '* * * * * */2' (with seconds; day-of-month OR day-of-week) UTC" in text
+    assert "cron '*/5 * * * *' (POSIX) UTC" in text
+
+
+def test_status_names_the_app_it_runs_with(tmp_path: Path) -> None:
+    require_service("redis")
+    app = make_app(anarchon_backend=redis_backend())
+    result = CliRunner().invoke(
+        anarchon,
+        ["status"],
+        obj=CLIContext(app=app, no_color=True, workdir=None),
+        catch_exceptions=False,
+    )
+    assert result.exit_code == EXIT_PROBLEM, result.output
+    assert "Start `celery -A itest beat -S celery_anarchon.Scheduler`" in result.output
+    assert "-A proj" not in result.output
+
+
 def test_check_reports_every_problem_at_once() -> None:
     app = check_app(anarchon_backend="redsi://x", anarchon_jitter=70)
     app.conf.beat_schedule = {name: entry for name, entry, _ in BAD_ENTRIES}
@@ -242,7 +370,43 @@ def test_a_broken_configuration_exits_4_and_points_to_check() -> None:
     app = make_app(anarchon_backend="redis://127.0.0.1:1/0", anarchon_jitter=99)
     result = invoke(app, "jobs")
     assert result.exit_code == EXIT_CONFIG
-    assert "anarchon_jitter" in result.stderr and "celery anarchon check" in result.stderr
+    assert "anarchon_jitter" in result.stderr and "celery -A proj anarchon check" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args", [["jobs"], ["history", "minutely"], ["last-run", "minutely"], ["status"]]
+)
+def test_read_only_commands_never_create_the_sqlite_file(tmp_path: Path, args: list[str]) -> None:
+    """A command run from another folder than beat's reads another default
+    SQLite path: it says there is no backend there instead of creating one."""
+    path = tmp_path / "celerybeat-schedule.anarchon.db"
+    app = make_app(anarchon_backend=f"sqlite:///{path}")
+    result = invoke(app, *args)
+    assert not path.exists(), f"{args} created {path}"
+    if args != ["jobs"]:  # jobs connects to nothing
+        assert result.exit_code == EXIT_UNREACHABLE, result.output
+        assert "does not exist" in result.stderr and str(path) in result.stderr
+        assert "first start" in result.stderr
+    else:
+        assert result.exit_code == EXIT_OK, result.output
+
+
+@pytest.mark.parametrize("command", ["jobs", "history minutely", "last-run minutely", "status"])
+def test_a_command_without_an_app_says_that_a_is_missing(tmp_path: Path, command: str) -> None:
+    """``celery anarchon status`` (no -A) gets Celery's default app: it
+    says -A is missing and leaves no file behind."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CELERY_", "APP"))}
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "anarchon", *command.split()],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == EXIT_USAGE, done.stdout + done.stderr
+    assert "no app given" in done.stderr and "celery -A proj anarchon" in done.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.services
@@ -290,6 +454,92 @@ def test_run_now_sends_once_per_key_and_shows_in_history(name: str, tmp_path: Pa
         nothing = invoke(app, "last-run", "every-second")
         assert nothing.exit_code == EXIT_PROBLEM and "no run sent yet" in nothing.stdout
     finally:
+        if name in {"postgresql", "mysql"}:
+            drop_tables(url, f"cli{run}_")
+
+
+@pytest.mark.services
+def test_two_default_key_run_now_calls_across_a_second_boundary_send_once(
+    tmp_path: Path,
+) -> None:
+    """Two quick ``run-now`` calls from the command line, the second in
+    another second than the first: one sends, the other is refused because
+    the job's previous manual run is younger than ``anarchon_run_now_guard``."""
+    require_service("redis")
+    beats = BeatCluster(redis_backend(), tmp_path)
+
+    def run_now() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "celery", "-A", "tests.beat_app", "anarchon"]
+            + ["run-now", "minutely"],
+            cwd=REPO,
+            env=beats.env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    try:
+        first_started = int(time.time())
+        first = run_now()
+        while int(time.time()) == first_started:  # the second call in another second
+            time.sleep(0.05)
+        second = run_now()
+        assert first.returncode == EXIT_OK, first.stdout + first.stderr
+        assert second.returncode == EXIT_PROBLEM, second.stdout + second.stderr
+        assert "anarchon_run_now_guard" in second.stdout and "--key" in second.stdout
+        sent = read_queue(BROKER, beats.queue, timeout=1.0)
+        assert [h["anarchon_job"] for h in sent] == ["minutely"]
+    finally:
+        delete_redis_keys(BROKER, beats.queue)
+
+
+@pytest.mark.services
+@pytest.mark.parametrize("name", ["sqlite", "postgresql", "mysql", "redis", "rabbitmq"])
+def test_concurrent_default_key_run_now_calls_send_once(name: str, tmp_path: Path) -> None:
+    """Calls racing on separate connections: the guard is taken in the
+    backend, so exactly one sends; once the guard has passed, a call sends."""
+    import threading
+
+    from celery_anarchon.control import Control
+
+    require_service("redis")  # the broker
+    require_service(name)
+    run = uuid.uuid4().hex[:8]
+    url = {
+        "sqlite": f"sqlite:///{tmp_path / 'claims.db'}",
+        "postgresql": f"{POSTGRES_URL}?prefix=cli{run}_",
+        "mysql": f"{MYSQL_URL}?prefix=cli{run}_",
+        "redis": redis_backend(),
+        "rabbitmq": f"amqp://guest:guest@127.0.0.1:5672//?prefix=cli{run}.",
+    }[name]
+    queue = f"cli-{run}"
+    app = make_app(anarchon_backend=url, task_default_queue=queue, anarchon_run_now_guard=2)
+    controls = [Control(app) for _ in range(4)]
+    for control in controls:  # connected (and tables made) before the race
+        control.backend.open()
+    barrier = threading.Barrier(len(controls))
+    results: list[Any] = []
+
+    def call(control: Control) -> None:
+        barrier.wait()
+        results.append(control.run_now("minutely"))
+
+    try:
+        threads = [threading.Thread(target=call, args=(c,)) for c in controls]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert len(results) == len(controls)
+        assert sum(r.sent for r in results) == 1, results
+        time.sleep(2.2)
+        assert controls[0].run_now("minutely").sent is True  # the guard has passed
+        sent = read_queue(BROKER, queue, timeout=1.0)
+        assert [h["anarchon_job"] for h in sent] == ["minutely", "minutely"]
+    finally:
+        for control in controls:
+            control.close()
         if name in {"postgresql", "mysql"}:
             drop_tables(url, f"cli{run}_")
 
@@ -410,7 +660,7 @@ def test_jobs_shows_schedules_zones_next_slots_and_options(cluster: BeatCluster)
     assert jobs["every-second"]["options"]["jitter"] == 2.0
     assert jobs["every-second"]["next"][0]["utc"].endswith("Z")
     text = invoke(cluster_app(cluster), "jobs").stdout
-    assert "schedule  every 1s from 1970-01-01T00:00:00Z" in text
+    assert "schedule  every 1s (anchor 1970-01-01T00:00:00Z)" in text
     assert "options   jitter=2s max_late=60s overlap=allow catch_up=none" in text
 
 
@@ -426,7 +676,9 @@ def test_history_and_last_run_show_what_the_beats_sent(cluster: BeatCluster) -> 
     for record in records:
         assert record["state"] in {"claimed", "sent"}
         assert int(record["instance"].rsplit(":", 2)[1]) in pids
-        assert record["task_id"] in (None, task_id_for("every-second", record["slot_ms"]))
+        namespace = backend_from_url(cluster.backend, instance="cli").namespace
+        task_id = task_id_for("every-second", record["slot_ms"], namespace=namespace)
+        assert record["task_id"] in (None, task_id)
         assert record["slot"].endswith("Z") and record["claimed_at_ms"] >= record["slot_ms"]
     # The beats keep sending: last-run lies between two reads of the history.
     before = sent_slots(app, "every-second")
@@ -524,6 +776,10 @@ def test_the_demo_removes_its_temporary_folder_after_a_good_run(tmp_path: Path) 
     assert done.returncode == 0, done.stdout + done.stderr
     assert "duplicates=0 missed=0" in done.stdout
     assert list(tmp_path.glob("anarchon-demo-*")) == []
+    # "sent per instance" counts the slots of the summary: it adds up to sent=.
+    per_instance = done.stdout.split("sent per instance: ")[1].splitlines()[0]
+    sent = int(done.stdout.split(" sent=")[1].split()[0])
+    assert sum(int(part.rsplit("=", 1)[1]) for part in per_instance.split(", ")) == sent
 
 
 def test_the_demo_keeps_its_folder_when_the_run_fails(tmp_path: Path) -> None:

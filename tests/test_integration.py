@@ -134,3 +134,93 @@ def test_beat_embedded_in_a_worker(tmp_path: Path) -> None:
     assert "Traceback" not in text, text[-4000:]
     assert len(sent) >= 8, text[-4000:]
     assert text.count(" succeeded in ") >= 8, text[-4000:]  # the worker ran them
+
+
+def test_a_job_whose_args_the_serializer_refuses_stops_no_other_job(tmp_path: Path) -> None:
+    """Issue 12, item 1, with a real beat on a Redis broker: ``nonjson``'s
+    args are a custom object JSON cannot encode. Its ``EncodeError`` was
+    taken for a broker outage and paused every publish, so ``good`` sent
+    almost nothing. Now ``good`` keeps every slot; each of ``nonjson``'s is
+    recorded lost with the serializer's error, and beat names the problem
+    at start-up as ``check`` does."""
+    require_service("redis")
+    from celery_anarchon.backends import backend_from_url
+
+    from .beat.support import UNSERIALIZABLE_ARGS
+
+    url = backend_for("redis", tmp_path)
+    jobs = {"nonjson": 1.0, "good": 1.0}
+    conf = {
+        "beat_schedule": {name: {"task": "itest.any", "schedule": s} for name, s in jobs.items()},
+        UNSERIALIZABLE_ARGS: ["nonjson"],
+    }
+    cluster = BeatCluster(url, tmp_path, conf=conf)
+    try:
+        [proc] = cluster.start(1)
+        assert cluster.wait_ticking(timeout=60), cluster.logs()
+        started = time.time()
+        time.sleep(10)
+        stopped = time.time()
+        cluster.stop()
+        assert proc.returncode == 0, cluster.logs()
+        sent = count_sent(cluster.read_sent())
+    finally:
+        cluster.stop()
+    expected = expected_slots({"good": 1.0}, started + SETTLE_S, stopped - TAIL_S)["good"]
+    assert len(expected) >= 4
+    unsent = [slot for slot in expected if ("good", slot) not in sent]
+    assert unsent == [], cluster.logs()
+    assert not any(job == "nonjson" for job, _ in sent)
+    log = cluster.log_path(proc).read_text(errors="replace")
+    assert "beat_schedule['nonjson']: the serializer 'json' refuses its args" in log
+    assert "not tried again yet" not in log
+    reader = backend_from_url(url, instance="reader")
+    reader.open()
+    try:
+        records = reader.history("nonjson")
+    finally:
+        reader.close()
+    assert records and all(r.state.value == "lost" for r in records), records
+    assert all("EncodeError" in (r.error or "") for r in records), records
+
+
+#: A job of the first-deploy tests: every 5 s, default max_late (60 s).
+POLL = {"poll": {"task": "itest.noop", "schedule": 5.0}}
+
+
+def test_a_new_job_sends_no_slot_from_before_start_up_but_a_known_one_does(
+    tmp_path: Path,
+) -> None:
+    """A first deploy: the backend has never seen ``poll``, so the beat's
+    first slot is the first at or after its start (1 s grace), not the
+    first of the last max_late. Restarted after a pause, the job has
+    history: the slot that passed while it was down (inside max_late) is
+    still sent, late, as before."""
+    require_service("redis")
+    run = uuid.uuid4().hex[:8]
+    cluster = BeatCluster(
+        f"{REDIS_URL}?prefix=anarchon-it:{run}:", tmp_path, conf={"beat_schedule": POLL}
+    )
+    try:
+        launched = time.time()
+        cluster.start(1)
+        assert cluster.wait_ticking(timeout=60), cluster.logs()
+        time.sleep(6)
+        cluster.stop()
+        first_run = sorted(h["anarchon_slot"] for h in cluster.read_sent())
+        assert first_run, cluster.logs()
+        assert first_run[0] >= (launched - 1) * 1000, (launched, first_run)
+        down = time.time()
+        time.sleep(6)  # at least one slot passes while no beat runs
+        again = cluster.start(1)
+        assert cluster.wait_ticking(again, timeout=60), cluster.logs()
+        time.sleep(2)
+        cluster.stop()
+        second_run = sorted(h["anarchon_slot"] for h in cluster.read_sent())
+    finally:
+        cluster.stop()
+    gap = [s for s in second_run if s > first_run[-1] and s < (down + 6) * 1000]
+    assert gap == [first_run[-1] + 5000 * (i + 1) for i in range(len(gap))] and gap, (
+        first_run,
+        second_run,
+    )

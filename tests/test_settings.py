@@ -141,7 +141,7 @@ def test_a_misspelled_django_setting_is_refused() -> None:
 
     app = Celery("django-typo", set_as_current=False)
     app.config_from_object(DjangoSettings, namespace="CELERY")
-    with pytest.raises(ConfigurationError, match="Did you mean 'anarchon_jitter'"):
+    with pytest.raises(ConfigurationError, match="Did you mean 'CELERY_ANARCHON_JITTER'"):
         Settings.from_app(app)
 
 

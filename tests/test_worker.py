@@ -176,7 +176,7 @@ class Harness:
         claim = self.backend.claim([request])[0]
         assert claim.won
         if sent:
-            assert self.backend.mark(claim, State.SENT, task_id=task_id_for(job, slot))
+            assert self.backend.mark(claim, State.SENT, task_id=self.task_id(job, slot))
         return request, claim
 
     def send(self, claim: Claim, task: str, *args: Any, **options: Any) -> None:
@@ -190,8 +190,12 @@ class Harness:
             job=claim.job,
             slot_ms=claim.slot_ms,
             token=claim.token,
-            task_id=task_id_for(claim.job, claim.slot_ms),
+            task_id=self.task_id(claim.job, claim.slot_ms),
         )
+
+    def task_id(self, job: str, slot_ms: int) -> str:
+        """The task id beat derives for the slot on this backend."""
+        return task_id_for(job, slot_ms, namespace=self.backend.namespace)
 
     def record(self, job: str, slot_ms: int) -> RunRecord:
         return next(r for r in self.backend.history(job) if r.slot_ms == slot_ms)
@@ -315,7 +319,7 @@ def test_a_slot_published_twice_runs_once(harness: Harness) -> None:
     [record] = [r for r in harness.backend.history(claim.job)]
     assert record.state is State.SUCCEEDED and record.token == claim.token
     # The discarded message was acked, not left for redelivery.
-    assert not unacked(harness.worker, claim)
+    assert not unacked(harness, claim)
 
 
 def test_a_second_delivery_of_a_running_acks_late_task_is_discarded(harness: Harness) -> None:
@@ -372,7 +376,7 @@ def test_an_expired_message_is_not_run_and_is_recorded_lost(harness: Harness) ->
     harness.send(fresh, "itest.record", path, "fresh", expires=later)
     assert harness.wait_state(fresh, FINISHED).state is State.SUCCEEDED
     harness.worker.wait_for_log(
-        f"revoked task: itest.record[{task_id_for(stale.job, stale.slot_ms)}]"
+        f"revoked task: itest.record[{harness.task_id(stale.job, stale.slot_ms)}]"
     )
     lost = harness.wait_state(stale, FINISHED)
     assert lost.state is State.LOST
@@ -397,7 +401,7 @@ def test_a_revoked_message_is_not_run_and_is_recorded_lost(harness: Harness) -> 
     discards it on arrival; the run is recorded ``lost`` with the reason."""
     _, claim = harness.claim(new_job())
     path = harness.path()
-    revoke(harness, task_id_for(claim.job, claim.slot_ms))
+    revoke(harness, harness.task_id(claim.job, claim.slot_ms))
     harness.send(claim, "itest.record", path)
     lost = harness.wait_state(claim, FINISHED)
     assert lost.state is State.LOST
@@ -417,7 +421,7 @@ def test_a_revoked_duplicate_leaves_the_running_original_alone(harness: Harness)
     # after RUNNING was seen, of the 2 s the original used to sleep.
     harness.send(claim, "itest.sleep", 5.0, path)
     harness.wait_state(claim, {State.RUNNING})
-    revoke(harness, task_id_for(claim.job, claim.slot_ms))
+    revoke(harness, harness.task_id(claim.job, claim.slot_ms))
     harness.send(claim, "itest.sleep", 5.0, path)
     harness.worker.wait_for_log(f"a delivery of {claim.job} @ ")
     assert harness.record(claim.job, claim.slot_ms).state is State.RUNNING
@@ -433,7 +437,7 @@ def test_a_run_terminated_by_revoke_is_recorded_failed(harness: Harness) -> None
     path = harness.path()
     harness.send(claim, "itest.sleep", 30.0, path)
     harness.wait_state(claim, {State.RUNNING})
-    revoke(harness, task_id_for(claim.job, claim.slot_ms), terminate=True)
+    revoke(harness, harness.task_id(claim.job, claim.slot_ms), terminate=True)
     done = harness.wait_state(claim, FINISHED)
     assert done.state is State.FAILED
     assert done.error is not None
@@ -450,12 +454,12 @@ def test_tasks_without_anarchon_headers_are_untouched(harness: Harness) -> None:
     assert [run[0] for run in lines(path)] == ["plain", "plain"]
 
 
-def unacked(worker: Worker, claim: Claim) -> list[str]:
+def unacked(harness: Harness, claim: Claim) -> list[str]:
     """Messages of ``claim``'s task id the Redis broker holds unacked."""
     client = redis.Redis.from_url(BROKER)
-    task_id = task_id_for(claim.job, claim.slot_ms)
+    task_id = harness.task_id(claim.job, claim.slot_ms)
     try:
-        held = client.hvals(worker.unacked_key)
+        held = client.hvals(harness.worker.unacked_key)
         return [raw.decode() for raw in held if task_id.encode() in raw]
     finally:
         client.close()

@@ -42,6 +42,8 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -56,8 +58,10 @@ __all__ = [
     "LeaseBackend",
     "RunRecord",
     "State",
+    "DEADLINE_SHARE",
     "FINAL_RANK",
     "FINISHED_STATES",
+    "OFFSET_REFRESH_S",
     "SENT_STATES",
 ]
 
@@ -142,6 +146,16 @@ _STAMPS = {
 SENT_STATES = frozenset({State.SENT, State.RUNNING, State.SUCCEEDED, State.FAILED})
 
 
+#: A claim's deadline is this share of the backend's client timeout after
+#: it is sent (:meth:`Backend.stamp_deadlines`): a request the backend runs
+#: by then leaves the rest of the timeout for its answer to come back.
+DEADLINE_SHARE = 0.8
+
+#: How often a backend measures the offset of its clock to this process's
+#: again, seconds (:meth:`Backend.clock_offset_ms`).
+OFFSET_REFRESH_S = 60.0
+
+
 @dataclass(frozen=True)
 class ClaimRequest:
     """One slot an instance wants to claim.
@@ -160,6 +174,12 @@ class ClaimRequest:
             before a backup runner may take the slot over (lease backends).
         history_size: most history records to keep for this job.
         history_ttl_ms: history records older than this (by slot) may go.
+        deadline_ms: the last instant, epoch milliseconds by the *backend's*
+            clock, at which the request may still take effect; a lease
+            backend that gets it later claims nothing and answers
+            ``"deadline"``. None: the backend stamps it when it sends the
+            request (:meth:`Backend.stamp_deadlines`: sent time plus a share
+            of its client timeout, in its own time); 0: no deadline.
     """
 
     job: str
@@ -170,6 +190,12 @@ class ClaimRequest:
     lease_ms: int = 60_000
     history_size: int = 100
     history_ttl_ms: int = 7 * 24 * 3600 * 1000
+    deadline_ms: int | None = None
+
+    def past_deadline(self, backend_now_ms: int) -> bool:
+        """Whether ``backend_now_ms`` (the backend's clock, epoch ms) is past
+        this request's deadline (never when it has none)."""
+        return bool(self.deadline_ms) and backend_now_ms > (self.deadline_ms or 0)
 
 
 @dataclass(frozen=True)
@@ -211,8 +237,10 @@ class Claim:
         reason: why the claim was lost: ``"taken"`` (another instance holds
             or held it), ``"held"`` (:meth:`Backend.take_over_many` only: the
             slot is still ``claimed`` and its lease has not ended),
-            ``"window"`` (outside the claim window), ``"unknown"`` (no
-            answer: the outcome cannot be known), or ``""``.
+            ``"window"`` (outside the claim window), ``"deadline"`` (the
+            request reached the backend after its deadline: nobody claimed
+            the slot by it, try again), ``"unknown"`` (no answer: the
+            outcome cannot be known), or ``""``.
     """
 
     job: str
@@ -358,6 +386,19 @@ class Backend(abc.ABC):
     def close(self) -> None:
         """Release connections this backend opened. Safe to call twice."""
 
+    @property
+    def namespace(self) -> str:
+        """What keeps this cluster's claims apart from another's on the same
+        server: the backend's ``prefix`` (tables, keys or queues). Task ids
+        include it (:func:`celery_anarchon.message.task_id_for`)."""
+        return str(getattr(self, "prefix", ""))
+
+    def exists(self) -> bool:
+        """False when the backend's store was never created and
+        :meth:`open` would create it (a SQLite file not there yet); True
+        for a server backend, which is there or unreachable."""
+        return True
+
     @abc.abstractmethod
     def now_ms(self) -> int:
         """The backend's clock (the server's where it has one), epoch ms."""
@@ -496,6 +537,21 @@ class Backend(abc.ABC):
             BackendUnavailable: no answer.
         """
 
+    @abc.abstractmethod
+    def take_run_now_guard(self, job: str, hold_ms: int) -> bool:
+        """Take ``job``'s run-now guard for ``hold_ms`` milliseconds.
+
+        Atomic in the backend: of calls racing for a free guard, from any
+        host, exactly one takes it; every call until ``hold_ms`` after it
+        is refused. ``run_now`` without a key takes it before claiming, so
+        two quick calls send once whatever second they fall in.
+
+        Returns:
+            True when this call took the guard, False while it is held.
+        Raises:
+            BackendUnavailable: no answer (nothing taken).
+        """
+
     def last_slots(self, jobs: Sequence[str]) -> dict[str, int]:
         """``job -> newest scheduled slot with a record`` (epoch ms) for each
         of ``jobs`` that has one (manual runs are not counted), read in as
@@ -593,6 +649,65 @@ class Backend(abc.ABC):
     def describe(self) -> str:
         """The backend for logs and banners, credentials masked."""
         return type(self).__name__
+
+    # -- deadlines (lease backends enforce them; see ClaimRequest.deadline_ms) --
+
+    #: The measured offset of the backend's clock to this process's
+    #: (``backend - local``, ms), and when it was measured (monotonic s).
+    _clock_offset_ms: int = 0
+    _clock_offset_at: float = -math.inf
+
+    def request_timeout_s(self) -> float | None:
+        """How long this client waits for the answer to one call, seconds;
+        None when a request cannot be held up in a network (SQLite, which
+        is embedded) or the backend keeps no lease (RabbitMQ): no deadline
+        is stamped then."""
+        return None
+
+    def clock_offset_ms(self) -> int:
+        """The backend's clock minus this process's, milliseconds, measured
+        with one :meth:`now_ms` round trip (against its midpoint) at
+        :meth:`open` and again at the first call after every
+        :data:`OFFSET_REFRESH_S` seconds; off by at most half a round trip.
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        if time.monotonic() - self._clock_offset_at >= OFFSET_REFRESH_S:
+            self._measure_clock_offset()
+        return self._clock_offset_ms
+
+    def _measure_clock_offset(self) -> None:
+        """Measure :meth:`clock_offset_ms` now (lease backends call it at
+        the end of :meth:`open`).
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        before = time.time()
+        backend_ms = self.now_ms()
+        local_ms = (before + time.time()) * 500
+        self._clock_offset_ms = int(backend_ms - local_ms)
+        self._clock_offset_at = time.monotonic()
+
+    def stamp_deadlines(self, requests: Sequence[ClaimRequest]) -> list[ClaimRequest]:
+        """``requests`` with ``deadline_ms`` set where it is None: now plus
+        :data:`DEADLINE_SHARE` of :meth:`request_timeout_s`, in the
+        backend's time (this process's clock plus :meth:`clock_offset_ms`).
+        Unchanged when the backend needs no deadline.
+
+        Raises:
+            BackendUnavailable: the clock offset could not be measured.
+        """
+        timeout_s = self.request_timeout_s()
+        if timeout_s is None or all(r.deadline_ms is not None for r in requests):
+            return list(requests)
+        offset_ms = self.clock_offset_ms()
+        deadline_ms = int(time.time() * 1000 + offset_ms + timeout_s * DEADLINE_SHARE * 1000)
+        return [
+            r if r.deadline_ms is not None else dataclasses.replace(r, deadline_ms=deadline_ms)
+            for r in requests
+        ]
 
 
 class LeaseBackend(Backend):

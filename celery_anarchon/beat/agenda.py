@@ -49,6 +49,11 @@ DUE, CLAIM, TAKE_OVER, CATCH_UP, SEND_FAILED = 0, 1, 2, 3, 4
 MAX_MISSES_RECORDED = 100
 MAX_MISSES_COUNTED = 1_000_000
 
+#: A job the backend has never seen starts at its first slot at or after
+#: start-up less this, milliseconds: a slot that fell due while the process
+#: was starting is still sent; none of the last ``max_late`` before it is.
+NEW_JOB_GRACE_MS = 1000
+
 
 @dataclass(slots=True, eq=False)
 class Slot:
@@ -120,6 +125,8 @@ class Agenda:
         self._seq = 0
         #: job -> first slot planned at start-up, while its gap is not settled
         self.unsettled: dict[str, int] = {}
+        #: when the first slots were planned, epoch ms
+        self._started_ms = 0
 
     # -- the heap ----------------------------------------------------------
 
@@ -186,10 +193,11 @@ class Agenda:
 
     def plan_first_slots(self) -> None:
         """Plan each job's first slot: the first after ``now - max_late``
-        (docs/scheduling.md, "Start-up"), and settle what happened while no instance
+        (docs/scheduling.md, "Start-up"; moved to start-up for a job the
+        backend never saw, :meth:`_start_new_job`), and settle what happened while no instance
         ran (:meth:`settle_gaps`): now, or once the backend answers when it
         is away at start-up."""
-        now_ms = int(self._clock() * 1000)
+        now_ms = self._started_ms = int(self._clock() * 1000)
         self._events = []
         for job in self._jobs.values():
             job.next_slot_ms = first_slot(job.slots, now_ms, _ms(job.options.max_late))
@@ -208,7 +216,11 @@ class Agenda:
         Called at start-up and, while that has not happened (the backend was
         away), as soon as the backend answers, before anything this
         instance records itself: the slots of the gap were never acted on
-        by anybody and must still be recorded missed or caught up."""
+        by anybody and must still be recorded missed or caught up.
+
+        A job the backend has no record of (a lease backend; a first
+        deploy) has no gap and never ran: its first slot moves forward to
+        the first at or after start-up (:meth:`_start_new_job`)."""
         if not self.unsettled:
             return
         last_slots = self._last_slots()
@@ -221,6 +233,21 @@ class Agenda:
             last = last_slots.get(name)
             if job is not None and last is not None:
                 self._settle_gap(job, last, first_ms, now_ms)
+            elif job is not None and self._link.leases:
+                self._start_new_job(job, first_ms)
+
+    def _start_new_job(self, job: Job, first_ms: int) -> None:
+        """Plan a job the backend has never seen from its first slot at or
+        after start-up less :data:`NEW_JOB_GRACE_MS`, instead of the first
+        of the last ``max_late`` (docs/scheduling.md, "Start-up"): those
+        slots passed before the job existed anywhere. Left alone once the
+        job moved past its first slot (the backend answered late)."""
+        if job.next_slot_ms != first_ms:
+            return
+        start = first_slot(job.slots, self._started_ms, NEW_JOB_GRACE_MS + 1)
+        if start is not None and start > first_ms:
+            job.next_slot_ms = start
+            self.push_next(job)  # the DUE planned for first_ms is now stale
 
     def _last_slots(self) -> dict[str, int]:
         """``job -> newest scheduled slot the backend has a record of``

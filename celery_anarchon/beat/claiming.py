@@ -24,6 +24,7 @@ from .link import BackendLink
 from .registry import HAND_OVER_MARGIN
 
 __all__ = [
+    "DEADLINE_RETRY_MS",
     "FIRST_SEND_COST",
     "LEASE_SHARE",
     "MAX_CLAIM_BATCH",
@@ -46,6 +47,10 @@ FIRST_SEND_COST = 0.01
 MIN_CLAIM_BATCH = 50
 MAX_CLAIM_BATCH = 2000
 MIN_SENDS_MEASURED = 20
+
+#: A claim the backend answered ``"deadline"`` (it arrived after its
+#: deadline, so it claimed nothing) is tried again this much later, ms.
+DEADLINE_RETRY_MS = 500
 
 
 class Claimer:
@@ -142,6 +147,10 @@ class Claimer:
         for slot, claim in zip(batch, claims, strict=True):
             if claim.won:
                 self.hold(slot, claim)
+            elif claim.reason == "deadline":
+                # The request reached the backend too late and claimed
+                # nothing: nobody holds the slot by it, so claim it again.
+                self._agenda.again(now_ms + DEADLINE_RETRY_MS, slot)
         return claims
 
     def hold(self, slot: Slot, claim: Claim) -> None:
@@ -154,7 +163,7 @@ class Claimer:
         """The backend did not answer: try these claims again when it is
         retried. A slot that is past ``max_late`` by then is recorded
         ``missed`` once the backend answers (never silently dropped)."""
-        self._link.outage_lost += len(batch)
+        self._link.not_claimed(slot.key for slot in batch)
         retry_ms = self._link.retry_ms()
         for slot in batch:
             self._agenda.again(retry_ms, slot)

@@ -10,7 +10,7 @@ here once (:attr:`~BackendLink.leases`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from ..backends.base import Backend, LeaseBackend
 from ..exceptions import BackendUnavailable, ConfigurationError
@@ -39,8 +39,9 @@ class BackendLink:
         self.ready = False
         #: when the backend stopped answering (clock seconds), or None
         self._outage_since: float | None = None
-        #: slots this instance could not claim during the current outage
-        self.outage_lost = 0
+        #: the slots, by (job, slot ms), this instance could not claim during
+        #: the current outage: each once, however often it was planned again
+        self._outage_slots: set[tuple[str, int]] = set()
         #: the next reconnect is not tried before this (clock seconds)
         self.retry_at = 0.0
         self._backoff = BACKOFF_MIN
@@ -105,6 +106,18 @@ class BackendLink:
         self.ready = False
         self.retry_at = now + self._backoff
 
+    def not_claimed(self, keys: Iterable[tuple[str, int]]) -> None:
+        """Count slots, by ``(job, slot ms)``, this instance could not claim
+        during the current outage; one planned again and refused again is
+        counted once (the "back" line says how many)."""
+        self._outage_slots.update(keys)
+
+    @property
+    def outage_lost(self) -> int:
+        """How many distinct slots this instance could not claim during the
+        current outage."""
+        return len(self._outage_slots)
+
     def on_success(self) -> None:
         """The backend answered: end the outage (logged) and reset the backoff."""
         if self._outage_since is not None:
@@ -115,7 +128,7 @@ class BackendLink:
                 self.outage_lost,
             )
         self._outage_since = None
-        self.outage_lost = 0
+        self._outage_slots.clear()
         self._backoff = BACKOFF_MIN
 
     def retry_ms(self) -> int:

@@ -5,7 +5,8 @@ The :class:`Publisher` sends a batch's won claims in order, each through
 time (a broker that is away never blocks a tick for long) and never
 repeated once it may have reached the broker (docs/exactly-once.md: in
 doubt, never send twice). A send that fails is left to a backup on a lease
-backend; one in doubt is recorded ``lost`` at once.
+backend; one in doubt, or one whose arguments the serializer refuses, is
+recorded ``lost`` at once (:func:`publish_failure`, the one rule).
 
 The age of a won claim is judged by one rule (:func:`held_past`), against
 the shares of its lease named below.
@@ -18,6 +19,8 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
+
+from kombu.exceptions import EncodeError
 
 from ..backends.base import Claim, State
 from ..exceptions import BackendUnavailable
@@ -34,12 +37,16 @@ from .registry import HAND_OVER_MARGIN
 
 __all__ = [
     "GIVE_BACK_SHARE",
+    "IN_DOUBT",
     "PUBLISH_ATTEMPTS",
     "PUBLISH_BY",
     "PUBLISH_PAUSE",
+    "UNSENDABLE",
+    "UNSENT",
     "VERIFY_SHARE",
     "Publisher",
     "held_past",
+    "publish_failure",
 ]
 
 logger = logging.getLogger(__name__)
@@ -91,18 +98,55 @@ class _PublishInDoubt(Exception):
         self.cause = cause
 
 
-def _refused(exc: BaseException) -> bool:
-    """True when ``exc`` says the broker connection could not be made at
-    all (refused, or the host name did not resolve), so nothing was
-    written: the exception itself or what it wraps (``__cause__``)."""
+#: What a failed publish means for its slot (:func:`publish_failure`).
+UNSENT = "unsent"
+IN_DOUBT = "in doubt"
+UNSENDABLE = "unsendable"
+
+
+def publish_failure(exc: BaseException, may_have_written: bool) -> str:
+    """What a failed publish means for its slot: the one rule.
+
+    * :data:`UNSENDABLE`: the slot's message itself was refused, before
+      anything was written: by the serializer (kombu's ``EncodeError``, e.g.
+      a custom object under JSON) or by the task's argument check (Celery's
+      ``TypeError`` under ``strict_typing``). No attempt, here or by a
+      backup, can do better. The slot's own failure: recorded ``lost`` at
+      once; the broker is fine and other slots keep being sent.
+    * :data:`UNSENT`: nothing was written: the publish failed before it
+      could write (``may_have_written`` False), or the connection it needed
+      was never made (refused, or the host name did not resolve), found
+      anywhere in the chain Python prints for ``exc`` (``__cause__``, else
+      ``__context__``: kombu and Celery re-raise a refusal as
+      ``OperationalError('Error 111 connecting ... Connection refused.')``).
+      It may be tried again, and on a lease backend is left to a backup.
+    * :data:`IN_DOUBT`: anything else once the write may have begun: the
+      message may be queued; never sent again (docs/exactly-once.md).
+    """
+    if isinstance(exc, (EncodeError, TypeError)):
+        return UNSENDABLE
+    if not may_have_written:
+        return UNSENT
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         if isinstance(current, (ConnectionRefusedError, socket.gaierror)):
-            return True
+            return UNSENT
         seen.add(id(current))
-        current = current.__cause__
-    return False
+        if current.__cause__ is not None:
+            current = current.__cause__
+        else:
+            current = None if current.__suppress_context__ else current.__context__
+    return IN_DOUBT
+
+
+class _Unsendable(Exception):
+    """A slot's message was refused before it was written: its args or
+    kwargs (:data:`UNSENDABLE`)."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(repr(cause))
+        self.cause = cause
 
 
 class _WriteRules:
@@ -443,7 +487,8 @@ class Publisher:
         assert claim is not None
         lease_s = job.options.lease_ttl
         held_s = self._clock() - claimed_at
-        slot.task_id = task_id_for(job.name, slot.slot_ms)
+        assert self._link.backend is not None  # it answered the claim
+        slot.task_id = task_id_for(job.name, slot.slot_ms, namespace=self._link.backend.namespace)
         # Not released on shutdown from here on: a publish interrupted after
         # it reached the broker must fall to lease expiry (the documented
         # window, leaving a superseded record), never to a hand-over.
@@ -480,6 +525,10 @@ class Publisher:
         except _PublishInDoubt as exc:
             self._metrics.send_failed(job.name)
             self._on_publish_in_doubt(slot, exc.cause)
+            return
+        except _Unsendable as exc:
+            self._metrics.send_failed(job.name)
+            self._on_unsendable(slot, exc.cause)
             return
         except Exception as exc:
             self._metrics.send_failed(job.name)
@@ -556,6 +605,23 @@ class Publisher:
                 exc,
             )
 
+    def _on_unsendable(self, slot: Slot, exc: Exception) -> None:
+        """The serializer or the task's argument check refused the slot's
+        args or kwargs: its own failure, recorded ``lost`` with that error at
+        once (a backup would fail the same way). The broker is not paused
+        for it: the other slots keep being sent."""
+        assert slot.claim is not None
+        error = f"its args or kwargs were refused: {exc!r}"
+        self._journal.mark(slot.claim, State.LOST, task_id=slot.task_id, error=error)
+        logger.error(
+            "anarchon: %s @ %s not sent: %s; recorded lost. Fix: give the entry args and "
+            "kwargs its task takes and its serializer can encode (`celery anarchon check` "
+            "shows the same problem)",
+            slot.job.name,
+            _iso(slot.slot_ms),
+            error,
+        )
+
     def close_failed_send(self, slot: Slot) -> None:
         """No backup took a failed send over by ``max_late``: record this
         instance's claim lost (fenced: a take-over keeps its record)."""
@@ -614,9 +680,14 @@ class Publisher:
         attribute 'state'`` on the Redis transport) even once the broker is
         back.
 
+        What a failure means is decided by one rule, :func:`publish_failure`.
+
         Raises:
             _StaleClaim: the claim was held more than :data:`PUBLISH_BY` of
                 its lease when a publish was due (a backup may take it over).
+            _Unsendable: the serializer or the task's argument check refused
+                the slot's args or kwargs (not tried again; no pause, the
+                producer is kept).
             _PublishInDoubt: the publish failed after it may have reached
                 the broker (not tried again).
             Exception: the last attempt's error, or, within
@@ -653,8 +724,11 @@ class Publisher:
             except _StaleClaim:
                 raise
             except Exception as exc:
+                outcome = publish_failure(exc, may_have_written)
+                if outcome == UNSENDABLE:  # the message, not the broker: no pause
+                    raise _Unsendable(exc) from exc
                 self._drop_producer()
-                in_doubt = may_have_written and not _refused(exc)
+                in_doubt = outcome == IN_DOUBT
                 if in_doubt or attempt == PUBLISH_ATTEMPTS:
                     self._pause_reason = repr(exc)
                     self._paused_until = time.monotonic() + PUBLISH_PAUSE

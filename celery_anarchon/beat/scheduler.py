@@ -26,7 +26,7 @@ from celery import beat
 
 from ..backends import backend_from_url, scheme_of
 from ..backends.base import Backend, InstanceInfo, LeaseBackend, State
-from ..checks import check_backend_supports, run_check
+from ..checks import args_problem, check_backend_supports, run_check
 from ..exceptions import ConfigurationError
 from ..metrics import Metrics, metrics_from_app
 from ..model import Entry, Job, app_zone, build_jobs
@@ -181,6 +181,10 @@ class Scheduler(beat.Scheduler):
         self._jobs = build_jobs(self.schedule, settings, app_zone(self.app))
         for job in self._jobs.values():
             check_backend_supports(self.link.backend, settings, job)
+        for name, job in self._jobs.items():
+            problem = args_problem(self.app, name, job.entry)
+            if problem is not None:  # its own slots fail; the other jobs run
+                logger.error("anarchon: %s", problem)
         self._warn_if_local_only(settings)
         self.metrics = metrics_from_app(self.app)
         registry_ttl(self.app.conf)  # a bad anarchon_registry_ttl fails here, at start-up

@@ -177,7 +177,7 @@ class TakeOver:
             return
         claimed_at = self._clock()
         for slot, claim in zip(todo, claims, strict=True):
-            if claim.reason == "unknown":
+            if claim.reason in ("unknown", "deadline"):
                 self._retry([slot])
                 continue
             if claim.reason == "held":
@@ -243,7 +243,7 @@ class TakeOver:
             return
         for slot, claim in zip(due, claims, strict=True):
             job = slot.job
-            if claim.reason == "unknown":
+            if claim.reason in ("unknown", "deadline"):
                 self._retry([slot])
                 continue
             if claim.reason == "held":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import random
 import shutil
 import socket
@@ -729,3 +730,32 @@ def test_fold_moves_a_run_forward_only() -> None:
     assert folded.state is State.SUCCEEDED
     assert (folded.sent_at_ms, folded.task_id) == (2, "t")
     assert (folded.started_at_ms, folded.finished_at_ms, folded.error) == (3, 4, None)
+
+
+def test_fold_keeps_the_instance_that_claimed_the_run() -> None:
+    """With the worker integration, the worker appends running/succeeded
+    under its own instance id: the run still shows the beat that sent it,
+    as on Redis and SQL."""
+    run = {"job": "j", "slot_ms": 1, "token": "beat-a/1"}
+    records: list[dict[str, Any]] = [
+        {**run, "state": "claimed", "instance": "beat-a", "claimed_at_ms": 1},
+        {**run, "state": "sent", "instance": "beat-a", "sent_at_ms": 2, "task_id": "t"},
+        {**run, "state": "running", "instance": "worker-w", "started_at_ms": 3},
+        {**run, "state": "succeeded", "instance": "worker-w", "finished_at_ms": 4},
+    ]
+    [folded] = fold_history(records)
+    assert (folded.state, folded.instance) == (State.SUCCEEDED, "beat-a")
+
+
+def test_a_claim_logs_one_info_line_and_open_says_the_backend_is_ready(
+    make: Callable[..., RabbitMQBackend], caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.DEBUG, logger="celery_anarchon"):
+        backend = make("host-a")
+        slot = now_ms() // 1000 * 1000
+        [claim] = backend.claim([request("heartbeat", slot)])
+    assert claim.won
+    info = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert any(m.startswith("anarchon: RabbitMQ claim backend ready: ") for m in info), info
+    assert all(m.startswith("anarchon: ") for m in info), info
+    assert not any(str(slot) in m for m in info), info  # no raw milliseconds at INFO

@@ -772,3 +772,37 @@ def test_options_and_driver_parameters_come_from_the_url(kind: str, prefix: str)
 def test_a_client_that_is_not_an_engine_is_refused() -> None:
     with pytest.raises(ConfigurationError, match="Engine"):
         SQLBackend(None, client=object(), instance="a")
+
+
+@pytest.mark.services
+@pytest.mark.parametrize(
+    ("kind", "url", "reason"),
+    [
+        (
+            "postgresql",
+            "postgresql://nobody_{run}:s3cret@127.0.0.1:5432/test",
+            r'role "nobody_[0-9a-f]+" does not exist',
+        ),
+        (
+            "mysql",
+            "mysql+pymysql://nobody_{run}:s3cret@127.0.0.1:3306/test",
+            r"Access denied for user",
+        ),
+    ],
+    ids=["postgresql", "mysql"],
+)
+def test_an_authentication_failure_is_a_configuration_error(
+    kind: str, url: str, reason: str
+) -> None:
+    """Issue 12, item 6: a PostgreSQL role that does not exist was retried
+    for ever as an outage. Refused credentials are a configuration error,
+    raised by ``open()`` with the URL masked."""
+    require_service(kind)
+    backend = backend_from_url(url.format(run=uuid.uuid4().hex[:8]), instance="auth-test")
+    try:
+        with pytest.raises(ConfigurationError, match=reason) as err:
+            backend.open()
+    finally:
+        backend.close()
+    assert "refused the credentials" in str(err.value)
+    assert "s3cret" not in str(err.value) and "nobody_" in str(err.value)

@@ -35,6 +35,27 @@ LEASE_BACKENDS = ["sqlite", "postgresql", "redis"]
 #: read for :func:`install_send_delay`: seconds slept before each send.
 SEND_DELAY = "itest_send_delay"
 
+#: The ``ITEST_CONF`` key the test apps read for
+#: :func:`give_unserializable_args`: the jobs whose args JSON cannot encode.
+UNSERIALIZABLE_ARGS = "itest_unserializable_args"
+
+
+class Unserializable:
+    """A custom object as a job's argument: Celery's JSON serializer
+    refuses it (kombu's ``EncodeError``)."""
+
+    def __repr__(self) -> str:
+        return "Unserializable()"
+
+
+def give_unserializable_args(conf: dict[str, Any]) -> None:
+    """Give the ``beat_schedule`` entries of ``conf`` named under
+    :data:`UNSERIALIZABLE_ARGS` (the key is taken out) one
+    :class:`Unserializable` argument: the JSON a test passes to a real beat
+    cannot hold one."""
+    for name in conf.pop(UNSERIALIZABLE_ARGS, []):
+        conf["beat_schedule"][name]["args"] = [Unserializable()]
+
 
 class Clock:
     """A clock the test moves by hand (seconds since the epoch)."""

@@ -232,3 +232,40 @@ def test_a_lone_instance_sends_thousands_due_at_once_each_once(sqlite_url: str) 
             assert (record.state, record.slot_ms) == (State.SENT, slot_ms)
     finally:
         s.close()
+
+
+def test_a_claim_answered_deadline_is_claimed_again_and_sent_once(
+    t0: float, tmp_path: Path, every_second: dict[str, Any]
+) -> None:
+    """A claim that reached the backend after its deadline claimed nothing
+    (``"deadline"``): nobody holds the slot, so the scheduler claims it
+    again shortly and sends it once, instead of dropping it."""
+    import dataclasses
+
+    app = sqlite_app(tmp_path, every_second, anarchon_max_late=5.0, anarchon_jitter=0)
+    clock = Clock(t0 + 0.5)
+    s = Scheduler(app, clock=clock)
+    try:
+        clock.now = t0 + 0.5
+        s.tick()  # set up
+        backend = s.backend
+        assert backend is not None
+        real_claim = backend.claim
+        late: list[int] = []
+
+        def claim_late_once(requests: Any) -> Any:
+            if not late:  # the first batch arrives past its deadline
+                late.extend(r.slot_ms for r in requests)
+                requests = [dataclasses.replace(r, deadline_ms=1) for r in requests]
+            return real_claim(requests)
+
+        backend.claim = claim_late_once  # type: ignore[method-assign]
+        for step in range(1, 30):
+            clock.now = t0 + 1 + step * 0.1
+            s.tick()
+        assert late, "no claim was made"
+        slot = late[0]
+        assert [h["anarchon_slot"] for h in sent_messages(app)].count(slot) == 1
+        assert [r.state for r in backend.history("tick") if r.slot_ms == slot] == [State.SENT]
+    finally:
+        s.close()

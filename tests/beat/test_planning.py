@@ -15,6 +15,8 @@ from celery_anarchon.beat.scheduler import Scheduler
 from .support import (
     Clock,
     at,
+    open_backend,
+    record_sent,
     run_restart,
     sent_messages,
     sent_slots,
@@ -27,6 +29,9 @@ def test_start_up_never_records_old_slots_as_missed(
     t0: float, tmp_path: Path, every_second: dict[str, Any]
 ) -> None:
     app = sqlite_app(tmp_path, every_second, anarchon_max_late=3)
+    before = open_backend(app, "before")
+    record_sent(before, "tick", int((t0 - 3) * 1000))  # the job ran before: it has history
+    before.close()
     clock = Clock(t0 + 0.5)
     s = Scheduler(app, clock=clock)
     try:
@@ -34,7 +39,26 @@ def test_start_up_never_records_old_slots_as_missed(
         history = s.backend.history("tick")  # type: ignore[union-attr]
         assert {r.state for r in history} == {State.SENT}
         # The slots inside max_late before start-up are sent, nothing older.
-        assert sorted(r.slot_ms for r in history) == [int((t0 + i) * 1000) for i in (-2, -1, 0)]
+        assert sorted(r.slot_ms for r in history) == [int((t0 + i) * 1000) for i in (-3, -2, -1, 0)]
+    finally:
+        s.close()
+
+
+def test_a_job_the_backend_never_saw_starts_at_start_up(
+    t0: float, tmp_path: Path, every_second: dict[str, Any]
+) -> None:
+    """A first deploy: no slot of the last max_late before start-up is
+    sent, only those at or after start-up less the 1 s grace."""
+    app = sqlite_app(tmp_path, every_second, anarchon_max_late=30)
+    clock = Clock(t0 + 0.5)
+    s = Scheduler(app, clock=clock)
+    try:
+        s.tick()
+        clock.now = t0 + 2.5
+        s.tick()
+        history = s.backend.history("tick")  # type: ignore[union-attr]
+        assert sorted(r.slot_ms for r in history) == [int((t0 + i) * 1000) for i in (0, 1, 2)]
+        assert {r.state for r in history} == {State.SENT}
     finally:
         s.close()
 

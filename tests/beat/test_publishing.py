@@ -21,12 +21,13 @@ from celery_anarchon.beat.scheduler import Scheduler
 from celery_anarchon.message import task_id_for
 
 from ..conftest import require_service
-from ..faults.servers import Proxy
+from ..faults.servers import Proxy, RedisServer
 from .support import (
     BROKER_DB,
     Clock,
     CountingRefuser,
     SlowConnect,
+    Unserializable,
     jobs_app,
     next_slot,
     queued_slots,
@@ -54,12 +55,45 @@ def test_sends_each_due_slot_with_headers_and_derived_task_id(
         assert headers["anarchon_job"] == "tick"
         assert headers["anarchon_slot"] == slot
         assert headers["anarchon_token"] == 1
-        assert headers["id"] == task_id_for("tick", slot)
+        task_id = task_id_for("tick", slot, namespace=s.backend.namespace)  # type: ignore[union-attr]
+        assert headers["id"] == task_id
         assert headers["task"] == "proj.tick"
         [record] = s.backend.history("tick")  # type: ignore[union-attr]
-        assert (record.state, record.task_id) == (State.SENT, task_id_for("tick", slot))
+        assert (record.state, record.task_id) == (State.SENT, task_id)
     finally:
         s.close()
+
+
+def test_two_projects_sharing_a_backend_send_different_task_ids_for_one_slot(
+    t0: float, tmp_path: Path, every_second: dict[str, Any]
+) -> None:
+    """Two projects, each with a job ``tick``, on one backend under their
+    own prefixes: one slot, two task ids (a shared result backend would
+    otherwise mix their results); each instance of a project derives its
+    project's id."""
+    slot = int((t0 + 1) * 1000)
+    ids = {}
+    for project in ("shop", "blog"):
+        app = sqlite_app(
+            tmp_path,
+            every_second,
+            anarchon_max_late=0.5,
+            anarchon_backend_options={"prefix": f"{project}_"},
+            task_default_queue=f"q-{project}",
+        )
+        clock = Clock(t0 + 0.5)
+        s = Scheduler(app, clock=clock)
+        try:
+            s.tick()
+            clock.now = t0 + 1.0
+            s.tick()
+            [headers] = sent_messages(app)
+            assert headers["anarchon_slot"] == slot
+            ids[project] = headers["id"]
+            assert ids[project] == task_id_for("tick", slot, namespace=f"{project}_")
+        finally:
+            s.close()
+    assert ids["shop"] != ids["blog"]
 
 
 def test_apply_entry_never_raises(t0: float, tmp_path: Path, every_second: dict[str, Any]) -> None:
@@ -245,5 +279,103 @@ def test_an_ambiguous_publish_failure_is_not_published_again(
         assert State.SUPERSEDED not in states  # no take-over on record
         assert sent == [("job-0000", slot_ms)], f"published {len(sent)} times: {sent}"
         assert states == [State.LOST]  # in doubt: recorded, not sent again
+    finally:
+        s.close()
+
+
+@pytest.mark.services
+def test_a_refused_connection_on_the_first_publish_after_a_broker_cut_is_left_to_a_backup(
+    own_redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 12, item 4: the first publish after Celery's broker went away
+    reconnects inside the publish and is refused (``OperationalError('Error
+    111 connecting ... Connection refused.')``). A connection that was never
+    made delivered nothing: the slot is left to a backup (claimed, on its
+    lease), as the later publishes with the same error are, not recorded
+    ``lost`` as a publish that may have reached the broker."""
+    require_service("redis")
+    queue = f"refused-{uuid.uuid4().hex[:8]}"
+    schedule = {name: {"task": "sp.run", "schedule": 3600.0} for name in ("before", "after")}
+    app = redis_app(f"redis://127.0.0.1:{own_redis.port}/0", queue, schedule)
+    now = float(int(time.time()))
+    s = Scheduler(app, clock=Clock(now))
+    try:
+        s.agenda.push(int(now * 1000), Slot(s.jobs["before"], int(now * 1000), CLAIM))
+        s.tick()
+        backend = s.backend
+        assert backend is not None
+        assert [r.state for r in backend.history("before")] == [State.SENT]
+        own_redis.crash()
+        with caplog.at_level(logging.ERROR, logger="celery_anarchon.beat"):
+            s.agenda.push(int(now * 1000), Slot(s.jobs["after"], int(now * 1000), CLAIM))
+            s.tick()
+        assert [r.state for r in backend.history("after")] == [State.CLAIMED], caplog.text
+        assert "may have reached the broker" not in caplog.text
+        assert "left for a backup" in caplog.text
+    finally:
+        s.close()
+
+
+@pytest.mark.services
+def test_args_the_serializer_refuses_fail_their_own_slot_only(
+    broker_queue: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 12, item 1: kombu's ``EncodeError`` (a custom object under
+    JSON) was taken for a broker outage, and every publish paused: the
+    other jobs sent almost nothing. It is the slot's own failure: recorded
+    ``lost`` with the serializer's error; the next slot in the same tick is
+    sent."""
+    schedule = {
+        "nonjson": {"task": "sp.run", "schedule": 3600.0, "args": [Unserializable()]},
+        "good": {"task": "sp.run", "schedule": 3600.0},
+    }
+    app = redis_app(f"redis://127.0.0.1:6379/{BROKER_DB}", broker_queue, schedule)
+    now = float(int(time.time()))
+    s = Scheduler(app, clock=Clock(now))
+    try:
+        with caplog.at_level(logging.ERROR, logger="celery_anarchon.beat"):
+            for name in ("nonjson", "good"):
+                s.agenda.push(int(now * 1000), Slot(s.jobs[name], int(now * 1000), CLAIM))
+            s.tick()
+        backend = s.backend
+        assert backend is not None
+        [bad] = backend.history("nonjson")
+        [good] = backend.history("good")
+        assert bad.state is State.LOST and "EncodeError" in (bad.error or ""), bad
+        assert good.state is State.SENT, caplog.text
+        assert queued_slots(broker_queue) == [int(now * 1000)]
+        assert "not tried again yet" not in caplog.text
+    finally:
+        s.close()
+
+
+@pytest.mark.services
+def test_args_the_task_does_not_take_fail_their_own_slot_only(broker_queue: str) -> None:
+    """Celery's argument check (``strict_typing``) raises ``TypeError``
+    before anything is written: the slot's own failure, as a serializer's
+    refusal is, never a pause of every publish."""
+    schedule = {
+        "extra-arg": {"task": "sp.none", "schedule": 3600.0, "args": [1]},
+        "good": {"task": "sp.none", "schedule": 3600.0},
+    }
+    app = redis_app(f"redis://127.0.0.1:6379/{BROKER_DB}", broker_queue, schedule)
+
+    @app.task(name="sp.none")
+    def takes_nothing() -> None:
+        """Takes no arguments."""
+
+    now = float(int(time.time()))
+    s = Scheduler(app, clock=Clock(now))
+    try:
+        for name in ("extra-arg", "good"):
+            s.agenda.push(int(now * 1000), Slot(s.jobs[name], int(now * 1000), CLAIM))
+        s.tick()
+        backend = s.backend
+        assert backend is not None
+        [bad] = backend.history("extra-arg")
+        [good] = backend.history("good")
+        assert bad.state is State.LOST and "TypeError" in (bad.error or ""), bad
+        assert good.state is State.SENT
+        assert queued_slots(broker_queue) == [int(now * 1000)]
     finally:
         s.close()

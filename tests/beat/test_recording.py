@@ -22,6 +22,8 @@ from .support import (
     Clock,
     jobs_app,
     next_slot,
+    open_backend,
+    record_sent,
     sent_messages,
     sent_slots,
     spy,
@@ -34,6 +36,9 @@ def test_a_slot_later_than_max_late_is_recorded_missed_not_sent(
     t0: float, tmp_path: Path, every_second: dict[str, Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     app = sqlite_app(tmp_path, every_second, anarchon_max_late=2)
+    before = open_backend(app, "before")
+    record_sent(before, "tick", int((t0 - 2) * 1000))  # a known job: no first-deploy start
+    before.close()
     clock = Clock(t0 + 0.5)
     s = Scheduler(app, clock=clock)
     try:
@@ -71,7 +76,9 @@ def test_sent_is_recorded_in_chunks(sqlite_url: str) -> None:
         for i in (0, jobs // 2, jobs - 1):
             [record] = s.backend.history(f"job-{i:04d}")
             assert record.state is State.SENT
-            assert record.task_id == task_id_for(f"job-{i:04d}", slot_ms)
+            assert record.task_id == task_id_for(
+                f"job-{i:04d}", slot_ms, namespace=s.backend.namespace
+            )
     finally:
         s.close()
 

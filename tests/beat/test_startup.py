@@ -3,15 +3,21 @@ once), lazy construction, a missing driver named with its extra."""
 
 from __future__ import annotations
 
+import logging
+import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from celery_anarchon.beat.scheduler import Scheduler
+from celery_anarchon.checks import run_check
 from celery_anarchon.exceptions import ConfigurationError
 
+from ..conftest import require_service
 from .support import (
+    Unserializable,
     sqlite_app,
 )
 
@@ -38,6 +44,10 @@ def test_lazy_construction_connects_nothing(every_second: dict[str, Any], tmp_pa
         ("every day", ["'bad'", "schedule"]),
         (0, ["'bad'"]),
         (-5.0, ["'bad'"]),
+        (float("nan"), ["beat_schedule['bad']['schedule']", "interval nan s", "Fix:"]),
+        (float("-inf"), ["beat_schedule['bad']['schedule']", "interval -inf s", "Fix:"]),
+        (0.001, ["beat_schedule['bad']['schedule']", "below the floor of 0.1 s", "Fix:"]),
+        (timedelta(milliseconds=1), ["'bad'", "interval 0.001 s", "Fix:"]),
     ],
 )
 def test_bad_schedules_are_refused_at_start_up(
@@ -48,6 +58,37 @@ def test_bad_schedules_are_refused_at_start_up(
         Scheduler(app)
     for word in words:
         assert word in str(err.value)
+
+
+def test_an_entry_without_a_task_is_refused_with_checks_message(tmp_path: Path) -> None:
+    """Issue 12, item 5: beat published such an entry with ``task=None``
+    (79 messages in 15 s) although ``check`` refused it."""
+    app = sqlite_app(tmp_path, {"taskless": {"schedule": 1.0}})
+    [problem] = run_check(app, None, False).problems
+    with pytest.raises(ConfigurationError) as err:
+        Scheduler(app)
+    assert problem["message"] in str(err.value)
+    assert "beat_schedule['taskless']: no 'task'" in str(err.value)
+
+
+def test_args_the_serializer_refuses_are_logged_at_start_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 12, item 1: beat logs the problem ``check`` reports, and runs
+    the other jobs (the bad one's slots are each recorded lost)."""
+    schedule = {
+        "nonjson": {"task": "proj.t", "schedule": 1.0, "args": [Unserializable()]},
+        "good": {"task": "proj.t", "schedule": 1.0},
+    }
+    app = sqlite_app(tmp_path, schedule)
+    [problem] = run_check(app, None, False).problems
+    with caplog.at_level(logging.ERROR, logger="celery_anarchon"):
+        s = Scheduler(app)
+    try:
+        assert set(s.jobs) == {"nonjson", "good"}
+        assert problem["message"] in caplog.text
+    finally:
+        s.close()
 
 
 def test_unknown_per_entry_key_is_refused(tmp_path: Path) -> None:
@@ -90,3 +131,17 @@ def test_a_schedule_of_the_wrong_type_names_the_job(tmp_path: Path) -> None:
     schedule = {"listed": {"task": "t", "schedule": [5]}}
     with pytest.raises(ConfigurationError, match=r"'listed'.*\[5\] is not a schedule"):
         Scheduler(sqlite_app(tmp_path, schedule))
+
+
+@pytest.mark.services
+def test_a_postgresql_role_that_does_not_exist_stops_beat_at_start_up(tmp_path: Path) -> None:
+    """Issue 12, item 6: refused at start-up as a configuration error (with
+    the masked URL), not retried for ever as an outage."""
+    require_service("postgresql")
+    role = f"nobody_{uuid.uuid4().hex[:8]}"
+    url = f"postgresql://{role}:s3cret@127.0.0.1:5432/test"
+    app = sqlite_app(tmp_path, {"j": {"task": "proj.j", "schedule": 5.0}}, anarchon_backend=url)
+    with pytest.raises(ConfigurationError) as err:
+        Scheduler(app)
+    assert f'role "{role}" does not exist' in str(err.value)
+    assert "s3cret" not in str(err.value)

@@ -28,7 +28,7 @@ from celery import Celery
 from kombu import Exchange, Queue
 
 import celery_anarchon.worker
-from tests.beat.support import SEND_DELAY, install_send_delay
+from tests.beat.support import SEND_DELAY, give_unserializable_args, install_send_delay
 
 #: The jobs of every fault run unless ITEST_CONF replaces them.
 SCHEDULES: dict[str, Any] = {
@@ -68,6 +68,7 @@ app.conf.update(
 )
 _conf = json.loads(os.environ.get("ITEST_CONF", "{}"))
 install_send_delay(float(_conf.pop(SEND_DELAY, 0)))  # fault injection, see tests.beat.support
+give_unserializable_args(_conf)  # bad input, see tests.beat.support
 app.conf.update(_conf)
 celery_anarchon.worker.install(app)
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..beat.support import UNSERIALIZABLE_ARGS
 from ..beats import expected_slots
 from ..conftest import POSTGRES_URL, REDIS_URL, service_up
 from .campaign import Row, campaign_services
@@ -206,8 +207,8 @@ BAD_INPUT: list[Case] = [
     Case(
         "wrong user",
         "postgresql",
-        "runs",
-        r'role "nobody_[0-9a-f]+" does not exist|authentication failed',
+        "exit",
+        r'refused the credentials.*role "nobody_[0-9a-f]+" does not exist',
         {},
         url=lambda f, r: f"postgresql://nobody_{r}:x@127.0.0.1:5432/test?prefix=bad{r}_",
     ),
@@ -246,6 +247,41 @@ BAD_INPUT: list[Case] = [
         "exit",
         r"wrong-type",
         schedule(**{"wrong-type": [1, 2]}),
+    ),
+    Case(
+        "entry without a task",
+        "redis",
+        "exit",
+        r"beat_schedule\['taskless'\]: no 'task'; every entry needs a task",
+        {"beat_schedule": {"taskless": {"schedule": 1.0}}},
+    ),
+    Case(
+        "interval NaN",
+        "redis",
+        "exit",
+        r"beat_schedule\['nan'\]\['schedule'\]: interval nan s is not a finite number",
+        schedule(nan=float("nan")),
+    ),
+    Case(
+        "interval 0.001 s (below the floor)",
+        "redis",
+        "exit",
+        r"interval 0.001 s is below the floor of 0.1 s",
+        schedule(tiny=0.001),
+    ),
+    Case(
+        "args the serializer refuses",
+        "redis",
+        "runs",
+        r"beat_schedule\['nonjson'\]: the serializer 'json' refuses its args",
+        {
+            # A task this app does not register: no argument check, the serializer's only.
+            "beat_schedule": {
+                name: {"task": "faults.any", "schedule": 1.0} for name in ("nonjson", "good")
+            },
+            UNSERIALIZABLE_ARGS: ["nonjson"],
+        },
+        sends="good",
     ),
     Case(
         "job names RabbitMQ queues cannot hold",

@@ -15,7 +15,11 @@ A row is one scenario on one backend. Its checks (issue 7, "Expected"):
 * ``status-offset``: there, ``celery anarchon status`` shows the skewed
   beat's clock offset (within 2 s);
 * ``skewed-beat-died``: the beat with the shifted clock was still running
-  at the end (so the row really tested it).
+  at the end (so the row really tested it);
+* ``hung-silent``: when the backend hung (accepting connections, answering
+  nothing), every beat logged it unavailable within
+  :data:`~tests.faults.scenarios.HUNG_LOG_LIMIT_S` seconds;
+* ``not-back``: and logged it back once it answered again.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from typing import Any
 
 from ..conftest import MYSQL_URL, POSTGRES_URL, REDIS_URL, service_up
 from .harness import BASE_CONF, RABBIT_VHOST, Outcome, rabbit_url, rabbit_vhost
-from .scenarios import SCENARIOS, Ctx, Unavailable
+from .scenarios import HUNG_LOG_LIMIT_S, SCENARIOS, Ctx, Unavailable
 
 SERVICE_OF = {
     "postgresql": "postgresql",
@@ -86,6 +90,12 @@ def judge(outcome: Outcome, misses_allowed: bool, backend: str = "") -> list[str
         failed.append("sent-early")
     if outcome.extra.get("skewed_alive") is False:
         failed.append("skewed-beat-died")
+    if "hung_logged_s" in outcome.extra:
+        logged = outcome.extra["hung_logged_s"]
+        if logged is None or logged > HUNG_LOG_LIMIT_S:
+            failed.append("hung-silent")
+        if not outcome.extra.get("hung_back"):
+            failed.append("not-back")
     if backend in SERVER_CLOCK and "skew_s" in outcome.extra:
         shown = outcome.extra.get("status_offset_s")
         if shown is None or abs(shown - outcome.extra["skew_s"]) > 2:

@@ -342,6 +342,76 @@ def stall(ctx: Ctx) -> Outcome:
         return finish(run, ctx, ctx.duration)
 
 
+#: How soon after a backend hangs each beat must log it unavailable,
+#: seconds: the client-side bound of a call (``statement_timeout`` + 1 s on
+#: PostgreSQL and MySQL, ``socket_timeout`` on Redis: 6 s and 5 s by
+#: default) plus a tick and a claim's wait for its slot.
+HUNG_LOG_LIMIT_S = 10.0
+LEASE_NETWORKED = ("postgresql", "mysql", "redis")
+
+
+def outage_counts(run: FaultRun) -> dict[int, int]:
+    """How often each running beat (by pid) has logged its backend unavailable."""
+    counts = {}
+    for proc in run.cluster.running():
+        path = run.cluster.log_path(proc)
+        counts[proc.pid] = (path.read_bytes() if path.exists() else b"").count(OUTAGE_LOG)
+    return counts
+
+
+@scenario("hung backend", backends=LEASE_NETWORKED, misses_allowed=True)
+def hung_backend(ctx: Ctx) -> Outcome:
+    """The backend accepts connections and answers nothing (the proxy's
+    blackhole: data acknowledged and dropped) for 12 s: every beat must log
+    it unavailable within 10 s, and back after it answers again."""
+    with (
+        Proxy(SERVICE_PORTS[ctx.backend]) as proxy,
+        ctx.run(beat_backend_port=proxy.port) as run,
+    ):
+        run.start(3)
+        pause(run.started_at + 4 - time.time())
+        before = outage_counts(run)
+        proxy.blackhole()
+        hung_at = time.time()
+        logged: dict[int, float] = {}
+        while time.time() < hung_at + 12:
+            for pid, count in outage_counts(run).items():
+                if count > before.get(pid, 0) and pid not in logged:
+                    logged[pid] = time.time() - hung_at
+            time.sleep(0.2)
+        proxy.restore()
+        back = wait_back(run, timeout=BACKOFF_MAX + 10)
+        slowest = max(logged.values()) if len(logged) == len(before) else None
+        ctx.note(
+            f"{len(logged)} of {len(before)} beats logged the hang, the last after "
+            f"{slowest if slowest is None else round(slowest, 1)} s; back: {back}"
+        )
+        outcome = finish(run, ctx, max(ctx.duration, time.time() - run.started_at + 6))
+    outcome.extra["hung_logged_s"] = None if slowest is None else round(slowest, 1)
+    outcome.extra["hung_back"] = back
+    return outcome
+
+
+@scenario("delayed request", backends=LEASE_NETWORKED, misses_allowed=True)
+def delayed_request(ctx: Ctx) -> Outcome:
+    """For 6 s every request reaches the backend 7 s late (the proxy's
+    request_delay; replies are not delayed): past each claim's deadline
+    and its client's timeout. A late claim must claim nothing; its slot is
+    claimed again and sent once."""
+    with (
+        Proxy(SERVICE_PORTS[ctx.backend]) as proxy,
+        ctx.run(beat_backend_port=proxy.port) as run,
+    ):
+        run.start(3)
+        pause(run.started_at + 4 - time.time())
+        proxy.request_delay = 7.0
+        pause(6)
+        proxy.request_delay = 0.0
+        back = wait_back(run, timeout=BACKOFF_MAX + 10)
+        ctx.note(f"beats back: {back}")
+        return finish(run, ctx, max(ctx.duration, time.time() - run.started_at + 10))
+
+
 # -- the broker and the clock -------------------------------------------------------
 
 
@@ -459,7 +529,8 @@ class Unavailable(Exception):
 #: SIGSTOP longer than the lease and the rolling restart on SQLite,
 #: PostgreSQL and Redis in the same run. Every
 #: other family of fault once, on the backend where it says the most: a
-#: cut on PostgreSQL (the SQL path through a proxy), a real server restart,
+#: cut and a hung server on PostgreSQL (the SQL path through a proxy; the
+#: hang is the case only the client-side bound ends), a real server restart,
 #: a 1 s latency, a clock 5 s fast and a broker outage on Redis (the
 #: recommended backend, the one whose server the harness can restart in a
 #: second), a clock 60 s slow on RabbitMQ (no claim window there: only the
@@ -471,6 +542,7 @@ SHORT_DURATION = 16.0
 SHORT_PROFILE: list[tuple[str, str]] = [
     ("kill-9 loop", "sqlite"),
     ("backend cut", "postgresql"),
+    ("hung backend", "postgresql"),
     ("kill-9 in send", "mysql"),
     ("backend restart", "redis"),
     ("latency 1 s", "redis"),

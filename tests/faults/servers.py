@@ -39,15 +39,26 @@ class Proxy:
     * ``latency``: seconds added before each chunk of a reply is passed on
       (server to client), so a request/reply round trip takes that much more;
     * :meth:`stall`: stop passing replies on (connections stay open, data is
-      held) until :meth:`unstall`: a server that hangs mid-reply.
+      held) until :meth:`unstall`: a server that hangs mid-reply;
+    * :meth:`blackhole`: accept connections and pass nothing on, either way
+      (what arrives is read and dropped, so the client's TCP stack sees its
+      data acknowledged), until :meth:`restore`, which also closes the
+      connections accepted meanwhile: a hung server, or a pooler whose
+      database went away;
+    * ``request_delay``: seconds each chunk from the client waits before it
+      is passed on (requests reach the server late; replies are not
+      delayed): a request held up in the network.
     """
 
     def __init__(self, target_port: int, target_host: str = "127.0.0.1") -> None:
         self.target = (target_host, target_port)
         self.port = free_port()
         self.latency = 0.0
+        self.request_delay = 0.0
         self._open = True
         self._stalled = False
+        self._blackholed = False
+        self._held: set[socket.socket] = set()
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
@@ -76,7 +87,17 @@ class Proxy:
             _close(conn)
 
     def restore(self) -> None:
+        """End a cut or a blackhole; connections accepted during a
+        blackhole are closed."""
         self._open = True
+        self._blackholed = False
+        with self._lock:
+            held, self._held = set(self._held), set()
+        for conn in held:
+            _close(conn)
+
+    def blackhole(self) -> None:
+        self._blackholed = True
 
     def stall(self) -> None:
         self._stalled = True
@@ -87,6 +108,7 @@ class Proxy:
     def close(self) -> None:
         self._stop.set()
         self.cut()
+        self.restore()
         _close(self._listener)
         for thread in self._threads:
             thread.join(2)
@@ -109,6 +131,10 @@ class Proxy:
             if not self._open:
                 _close(client)
                 continue
+            if self._blackholed:
+                with self._lock:
+                    self._held.add(client)
+                continue
             try:
                 upstream = socket.create_connection(self.target, timeout=2)
             except OSError:
@@ -130,6 +156,10 @@ class Proxy:
                     continue
                 if not data:
                     break
+                if self._blackholed:
+                    continue
+                if not reply and self.request_delay:
+                    time.sleep(self.request_delay)
                 if reply:
                     while self._stalled and not self._stop.is_set():
                         time.sleep(POLL_S)

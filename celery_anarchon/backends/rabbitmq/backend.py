@@ -347,7 +347,9 @@ class RabbitMQBackend(RabbitMQHistory):
     def _outcome_record(self, attempt: _Attempt, won_state: State, now: int) -> RunRecord | None:
         run = f"{attempt.job!r} slot {attempt.slot_ms}"
         if attempt.outcome == "won":
-            logger.info("won %s (%s)", run, won_state)
+            # The scheduler logs the won claim at INFO (with the slot's
+            # time); this is the gate's side of it.
+            logger.debug("anarchon: won %s (%s)", run, won_state)
             claimed_at = now if won_state is State.CLAIMED else None
             return RunRecord(
                 job=attempt.job,
@@ -360,7 +362,7 @@ class RabbitMQBackend(RabbitMQHistory):
                 manual_key=attempt.extra.get("manual_key"),
             )
         if attempt.outcome == "taken":
-            logger.debug("lost %s: taken by another instance", run)
+            logger.debug("anarchon: lost %s: taken by another instance", run)
             return None
         if attempt.outcome == "returned":
             logger.warning(
@@ -450,5 +452,29 @@ class RabbitMQBackend(RabbitMQHistory):
             self._take_gates([attempt])
             self._record_outcomes([attempt], State.CLAIMED)
             return self._claim_of(attempt)
+
+    def take_run_now_guard(self, job: str, hold_ms: int) -> bool:
+        """Take the guard: a claim on the gate ``<prefix><job>.manual.guard``
+        whose one message expires ``hold_ms`` after it was accepted
+        (``x-message-ttl``): the broker nacks every publish while the
+        message is there, and accepts the first one after it expired. The
+        gate itself expires ``slot_ttl`` (at least twice ``hold_ms``) after
+        its last declare. Nothing is recorded in history.
+
+        Returns:
+            True on an ack; False on a nack, and when no confirm came (in
+            doubt, nothing is sent).
+        Raises:
+            BackendUnavailable: no connection; nothing was published.
+        """
+        with self._lock:
+            now = self.now_ms()
+            queue = f"{self.prefix}{self.job_part(job)}.manual.guard"
+            attempt = self._attempt(job, now, queue, max(self.slot_ttl_ms, 2 * hold_ms))
+            attempt.gate = _Declare(
+                queue, {**attempt.gate.arguments, "x-message-ttl": max(1, hold_ms)}
+            )
+            self._take_gates([attempt])
+            return attempt.outcome == "won"
 
     # -- history -----------------------------------------------------------

@@ -167,6 +167,7 @@ class RabbitMQConnection(RabbitMQNaming):
                 or is older than RabbitMQ 3.9 (no streams).
         """
         with self._lock:
+            fresh = self._conn is None
             try:
                 conn = self._connection()
             except BackendUnavailable as exc:
@@ -179,6 +180,8 @@ class RabbitMQConnection(RabbitMQNaming):
                     ) from refused
                 raise
             self._check_version(conn)
+            if fresh:
+                logger.info("anarchon: RabbitMQ claim backend ready: %s", self.describe())
 
     def _check_version(self, conn: amqp.Connection) -> None:
         raw = conn.server_properties.get("version", "")

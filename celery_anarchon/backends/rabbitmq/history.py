@@ -92,7 +92,10 @@ def fold_history(records: Iterable[Mapping[str, Any]]) -> list[RunRecord]:
     ``mark`` does on lease backends (claimed, sent, running, then a finished
     state): a record that would move it back, or out of a finished state,
     is ignored, except that a late ``sent`` still fills in ``sent_at_ms``
-    and ``task_id``. Other fields take the latest non-empty value.
+    and ``task_id``. ``instance`` stays the run's first (the beat that
+    claimed it, as a lease backend's owner: the worker integration appends
+    ``running`` and the finish under the worker's own id). Other fields
+    take the latest non-empty value.
 
     When a slot has a record written only by the gate's winner
     (``claimed``, ``missed``, ``skipped``), records of other tokens for that
@@ -125,6 +128,8 @@ _RECORD_FIELDS = frozenset(RunRecord.__dataclass_fields__)
 def _merge(run: dict[str, Any], record: Mapping[str, Any]) -> None:
     """Fold one record into ``run`` (see :func:`fold_history`)."""
     fields = {k: v for k, v in record.items() if v is not None}
+    if run.get("instance") is not None:
+        fields.pop("instance", None)  # the claimer's, kept
     if "state" in run:
         now, new = State(run["state"]).rank, State(fields["state"]).rank
         if now == FINAL_RANK or new <= now:

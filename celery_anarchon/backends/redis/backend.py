@@ -104,6 +104,15 @@ class RedisBackend(RedisRegistry):
         prefix: key prefix, default ``"anarchon:"``.
         socket_timeout: seconds to wait for connecting and for each reply,
             default 5.
+            Every call is bounded by it (connect and each reply:
+            redis-py's ``socket_connect_timeout`` and ``socket_timeout``,
+            on the Sentinel connections too), and a claim or take-over
+            carries a deadline of :data:`~celery_anarchon.backends.base.DEADLINE_SHARE`
+            of it after it is sent, in the server's time (the offset of
+            the server's ``TIME`` to this process's clock is measured at
+            open and every minute): a script that runs later (a request
+            held up in the network) claims nothing and answers
+            ``"deadline"``.
         master_name: the Sentinel service name (Sentinel URLs only).
         allow_eviction: accept a Redis that may evict keys (the
             ``anarchon_allow_eviction`` setting), default False.
@@ -179,7 +188,7 @@ class RedisBackend(RedisRegistry):
         """
         if not requests:
             return []
-        calls = [self._slot_call(CLAIM, r) for r in requests]
+        calls = [self._slot_call(CLAIM, r) for r in self.stamp_deadlines(requests)]
         replies = self._run(calls)
         errors = [r for r in replies if isinstance(r, Exception)]
         if len(errors) == len(replies) and not all(map(_wrong_type, errors)):
@@ -292,7 +301,8 @@ class RedisBackend(RedisRegistry):
         """
         if not requests:
             return []
-        replies = self._run([self._slot_call(TAKE_OVER, r) for r in requests])
+        calls = [self._slot_call(TAKE_OVER, r) for r in self.stamp_deadlines(requests)]
+        replies = self._run(calls)
         errors = [r for r in replies if isinstance(r, Exception)]
         if len(errors) == len(replies):
             raise self._unavailable("take_over", errors[0]) from errors[0]
@@ -405,6 +415,19 @@ class RedisBackend(RedisRegistry):
             return Claim(job, int(slot_ms), won=True, token=int(token))
         return Claim(job, int(slot_ms), won=False, reason="taken")
 
+    def take_run_now_guard(self, job: str, hold_ms: int) -> bool:
+        """Take the guard: ``SET <tag>:run-now-guard 1 NX PX hold_ms``, one
+        atomic command, expired by the server's clock.
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        with self._translated("SET"):
+            taken = self._require_client().set(
+                f"{self._tag(job)}:run-now-guard", 1, nx=True, px=max(1, hold_ms)
+            )
+        return bool(taken)
+
     # -- history -------------------------------------------------------------
 
     # -- instance registry ---------------------------------------------------
@@ -421,6 +444,7 @@ class RedisBackend(RedisRegistry):
             r.lease_ms,
             r.history_size,
             r.history_ttl_ms,
+            r.deadline_ms or 0,
         ]
         return (script, self._slot_keys(r.job, r.slot_ms), args)
 
@@ -438,5 +462,5 @@ def _claim_answer(request: ClaimRequest, reply: Any) -> Claim:
     token = int(reply)
     if token > 0:
         return Claim(request.job, request.slot_ms, won=True, token=token)
-    reason = {-1: "window", -2: "held"}.get(token, "taken")
+    reason = {-1: "window", -2: "held", -3: "deadline"}.get(token, "taken")
     return Claim(request.job, request.slot_ms, won=False, reason=reason)

@@ -217,6 +217,7 @@ class RedisConnection(RedisNaming):
             ) from exc
         except RedisError as exc:
             raise self._unavailable("open", exc) from exc
+        self._measure_clock_offset()
         logger.info("anarchon: Redis claim backend ready: %s", self.describe())
 
     def close(self) -> None:
@@ -237,6 +238,10 @@ class RedisConnection(RedisNaming):
         """``RedisBackend <url, password masked> prefix=...``."""
         where = sanitize_url(self._url) if self._url else "(user's client)"
         return f"RedisBackend {where} prefix={self.prefix!r}"
+
+    def request_timeout_s(self) -> float:
+        """``socket_timeout``: how long the client waits for a reply, seconds."""
+        return self.socket_timeout
 
     def now_ms(self) -> int:
         """The Redis server's clock (``TIME``), epoch ms.

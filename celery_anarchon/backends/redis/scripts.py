@@ -38,6 +38,8 @@ _LUA_RANKS = "{" + ", ".join(f"{s.value} = {s.rank}" for s in State if s.rank < 
 #   set_guard(k, v, t, n)    set claim key k to v, expiring at t (or later,
 #       if it already expires later); deleted when t is not ahead of now
 #   outside_window(slot, now, before, after)   the claim window test
+#   past_deadline(now, deadline)   whether a request's deadline (server
+#       time, epoch ms; 0 or '' for none) has passed
 #   fenced_run(runs, slot, state, token)   the decoded record of a slot when
 #       it is in state with this fencing token, else nil
 _LUA_HELPERS = """
@@ -136,6 +138,11 @@ end
 local function outside_window(slot, now, before, after)
     return slot < now - before or slot > now + after
 end
+
+local function past_deadline(now, deadline)
+    deadline = tonumber(deadline) or 0
+    return deadline > 0 and now > deadline
+end
 """
 
 
@@ -151,11 +158,17 @@ end
 # ARGV[6] - lease_ms
 # ARGV[7] - history_size
 # ARGV[8] - history_ttl_ms
+# ARGV[9] - deadline_ms (server time, epoch ms; 0 for none)
 # return the fencing token (>= 1) when won, 0 when taken (claim key holds a
-# token or a closing 0, or a record exists), -1 when outside the window
+# token or a closing 0, or a record exists), -1 when outside the window,
+# -3 when the server's now is past the deadline (the request came too late:
+# its client may have given up on it; nothing is written)
 LUA_CLAIM_SCRIPT = """
 local slot = tonumber(ARGV[1])
 local now = now_ms()
+if past_deadline(now, ARGV[9]) then
+    return -3
+end
 if outside_window(slot, now, tonumber(ARGV[3]), tonumber(ARGV[4])) then
     return -1
 end
@@ -188,8 +201,9 @@ return token
 # KEYS[1] - claim key        {PJ}:slot:<slot_ms>
 # KEYS[2] - history records  {PJ}:runs
 # KEYS[3] - history index    {PJ}:index
-# ARGV[1..8] - as for LUA_CLAIM_SCRIPT
-# return the new fencing token (old + 1) when taken over, -2 when the slot
+# ARGV[1..9] - as for LUA_CLAIM_SCRIPT
+# return -3 past the deadline (as LUA_CLAIM_SCRIPT), the new fencing token
+# (old + 1) when taken over, -2 when the slot
 # is a scheduled run still 'claimed' whose lease has not ended yet (its
 # holder may still send it: check again at the lease's end), 0 when it is
 # not 'claimed' (sent, or further) or a manual run, -1 when outside the
@@ -199,6 +213,9 @@ return token
 LUA_TAKE_OVER_SCRIPT = """
 local slot = tonumber(ARGV[1])
 local now = now_ms()
+if past_deadline(now, ARGV[9]) then
+    return -3
+end
 if outside_window(slot, now, tonumber(ARGV[3]), tonumber(ARGV[4])) then
     return -1
 end

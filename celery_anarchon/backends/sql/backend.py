@@ -16,7 +16,7 @@ from ...exceptions import BackendUnavailable, ConfigurationError
 from ..base import AbsentRecord, Claim, ClaimRequest, State
 from .connection import _parse_url, _seconds
 from .dialects import INSERT_CHUNK
-from .leases import SQLLeases, _in_window, _lost
+from .leases import SQLLeases, _in_window, _late_or, _lost, _PastDeadline
 from .naming import _clean, _kind_of, _prefix, _tables, key_of
 
 __all__ = ["SQLBackend"]
@@ -26,6 +26,10 @@ logger = logging.getLogger(__name__)
 
 #: Most candidate milliseconds a manual run tries before giving up.
 MANUAL_SLOT_TRIES = 100
+
+#: The ``<prefix>manual`` key of a job's run-now guard: ``run_now`` refuses
+#: an empty key, so no manual run ever uses it.
+GUARD_KEY = ""
 
 
 class SQLBackend(SQLLeases):
@@ -68,6 +72,12 @@ class SQLBackend(SQLLeases):
       state = 'superseded' WHERE token = :old AND state = 'claimed' AND
       lease_until_ms < now`` and, when that changed one row, insert token
       ``old + 1``.
+    * **A late claim claims nothing**: each claim and take-over carries a
+      deadline in the database's time (:meth:`stamp_deadlines`); the
+      transaction reads the clock first and again just before ``COMMIT``
+      (PostgreSQL: with ``idle_in_transaction_session_timeout`` set to the
+      time left, so a held-up ``COMMIT`` commits nothing) and, past it,
+      rolls back and answers ``"deadline"``. SQLite: no deadline.
     * **run_now once per key**: a conditional insert into ``<prefix>manual``
       on ``(job, manual_key)`` in the transaction that writes the run.
     * **Records outlive every late claimer**: trimming deletes only records
@@ -77,7 +87,10 @@ class SQLBackend(SQLLeases):
       greeting then waits up to ``statement_timeout``) and
       ``statement_timeout`` each statement (PostgreSQL ``statement_timeout``
       and ``tcp_user_timeout``; MySQL client read/write timeouts and
-      ``innodb_lock_wait_timeout``; SQLite busy timeout). Pooled connections
+      ``innodb_lock_wait_timeout``; SQLite busy timeout), and the whole
+      call by a watchdog that shuts its socket down ``statement_timeout`` +
+      1 s after it began (PostgreSQL, MySQL: a server that never answers).
+      Pooled connections
       are pinged before use, so the backend recovers when the database
       comes back. Every driver error is raised as
       :class:`~celery_anarchon.exceptions.BackendUnavailable`. These
@@ -144,6 +157,7 @@ class SQLBackend(SQLLeases):
         self._engine: Engine | None = None
         self._pid = os.getpid()
         self._ready = False
+        self._watchdog = None
         self._writes: dict[str, int] = {}
         self._trims_due: dict[str, tuple[int, int, float]] = {}
         self._housekept = False
@@ -182,16 +196,23 @@ class SQLBackend(SQLLeases):
             1 (record ``claimed``, owner this instance, ``lease_until_ms =
             now + lease_ms``, ``keep_until_ms`` from the request); lost with
             ``"window"`` when outside the claim window by the database clock,
-            ``"taken"`` when the slot has a record (or appears twice in the
-            batch: the first wins).
+            ``"deadline"`` when the database's clock passed the request's
+            deadline before the commit (nothing written), ``"taken"`` when
+            the slot has a record (or appears twice in the batch: the first
+            wins).
         Raises:
             BackendUnavailable: no answer; treat every request as lost.
         """
         if not requests:
             return []
-        with self._write("claim") as conn:
-            now = self._now(conn)
-            answers = self._claim_all(conn, requests, now)
+        requests = self.stamp_deadlines(requests)
+        try:
+            with self._write("claim") as conn:
+                now = self._now(conn)
+                answers = self._claim_all(conn, requests, now)
+                self._commit_by_deadline(conn, requests, answers)
+        except _PastDeadline:
+            answers = [_late_or(r, a) for r, a in zip(requests, answers, strict=True)]
         won = [r for r, a in zip(requests, answers, strict=True) if a.won]
         logger.debug("anarchon: claimed %d of %d slot(s)", len(won), len(requests))
         self._after_writes((key_of(r.job), r.history_size, r.history_ttl_ms) for r in won)
@@ -204,7 +225,9 @@ class SQLBackend(SQLLeases):
         rows: dict[tuple[str, int], tuple[int, dict[str, Any]]] = {}
         for i, req in enumerate(requests):
             slot = (key_of(req.job), req.slot_ms)
-            if not _in_window(req, now):
+            if req.past_deadline(now):
+                answers[i] = _lost(req.job, req.slot_ms, "deadline")
+            elif not _in_window(req, now):
                 answers[i] = _lost(req.job, req.slot_ms, "window")
             elif slot in rows:
                 answers[i] = _lost(req.job, req.slot_ms, "taken")
@@ -461,6 +484,41 @@ class SQLBackend(SQLLeases):
                 conn.execute(sa.update(manual).where(*this_key).values(slot_ms=slot))
         logger.debug("anarchon: manual run of %r under key %r claimed", job, key)
         return Claim(job, slot, won=True, token=1)
+
+    def take_run_now_guard(self, job: str, hold_ms: int) -> bool:
+        """Take the guard: the ``<prefix>manual`` row of ``(job, '')`` (a key
+        ``run_now`` refuses), held until its ``keep_until_ms``.
+
+        One transaction: insert the row if absent, else
+        ``UPDATE .. SET keep_until_ms = now + hold_ms WHERE keep_until_ms
+        <= now``; taken when a row was written (by the database clock). A
+        racer waits on the row lock and then finds the guard held.
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        manual = self._tables.manual
+        with self._write("take the run-now guard") as conn:
+            now = self._now(conn)
+            row = {
+                "job": key_of(job),
+                "manual_key": GUARD_KEY,
+                "slot_ms": now,
+                "keep_until_ms": now + hold_ms,
+            }
+            if self._insert_if_absent(conn, manual, row):
+                return True
+            freed = conn.execute(
+                sa.update(manual)
+                .where(
+                    manual.c.job == key_of(job),
+                    manual.c.manual_key == GUARD_KEY,
+                    manual.c.keep_until_ms <= now,
+                )
+                .values(slot_ms=now, keep_until_ms=now + hold_ms),
+                execution_options={"preserve_rowcount": True},
+            )
+            return bool(freed.rowcount == 1)
 
     def _insert_manual_run(
         self, conn: Connection, job: str, key: str, now: int, keep_until_ms: int

@@ -7,11 +7,14 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import select
+import socket
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext, suppress
 from datetime import timedelta
 from typing import Any
 
@@ -44,6 +47,89 @@ CLIENT_FOUND_ROWS = 2
 
 
 _DRIVER_ERRORS = (sa.exc.DBAPIError, sa.exc.TimeoutError, sa.exc.DisconnectionError)
+
+
+#: A call to PostgreSQL or MySQL gives up this long after ``statement_timeout``
+#: (seconds) when the server has not answered (:class:`_Watchdog`).
+WATCHDOG_SLACK_S = 1.0
+
+
+def _socket_fd(dbapi_connection: Any) -> int | None:
+    """The file descriptor of a driver connection's socket (psycopg 3 or
+    PyMySQL), or None when it has none (closed)."""
+    try:
+        if hasattr(dbapi_connection, "pgconn"):  # psycopg 3
+            fd = int(dbapi_connection.pgconn.socket)
+        else:  # PyMySQL
+            sock = getattr(dbapi_connection, "_sock", None)
+            fd = -1 if sock is None else sock.fileno()
+    except Exception:
+        return None
+    return fd if fd >= 0 else None
+
+
+class _Watchdog:
+    """The client-side bound of every call to PostgreSQL or MySQL.
+
+    A server-side ``statement_timeout`` cannot end a call whose query never
+    reached the server (a hung server, a pooler whose database went away, a
+    link that swallows packets), and TCP's own timers never fire while
+    something on the way acknowledges the data. So each call (the checkout
+    with its ping, every statement, the commit) runs under :meth:`bound`:
+    ``limit_s`` seconds after it began, a timer shuts the sockets of the
+    connections it checked out down. The driver's wait then ends at once
+    with a connection error, which SQLAlchemy takes for a disconnect (the
+    connection is dropped from the pool) and the backend raises as
+    BackendUnavailable.
+    """
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self._local = threading.local()
+
+    def listen(self, engine: Engine) -> None:
+        """Track the connections a bounded call checks out (register
+        before any other ``checkout`` listener: the ping runs in those)."""
+        sa.event.listen(engine, "checkout", self._on_checkout)
+
+    def _on_checkout(self, dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
+        armed = getattr(self._local, "armed", None)
+        if armed is not None:
+            armed.append(dbapi_connection)
+
+    @contextmanager
+    def bound(self) -> Iterator[list[Any]]:
+        """Run the block under the bound (a nested block shares its outer
+        one); yields the list of connections checked out meanwhile, whose
+        first item after a timeout is the string ``"timed out"``."""
+        if getattr(self._local, "armed", None) is not None:
+            yield self._local.armed
+            return
+        armed: list[Any] = []
+        self._local.armed = armed
+        timer = threading.Timer(self.limit_s, self._fire, (armed,))
+        timer.daemon = True
+        timer.start()
+        try:
+            yield armed
+        finally:
+            timer.cancel()
+            self._local.armed = None
+
+    @staticmethod
+    def _fire(armed: list[Any]) -> None:
+        conns = list(armed)
+        armed.insert(0, "timed out")
+        for conn in conns:
+            fd = _socket_fd(conn)
+            if fd is None:
+                continue
+            with suppress(OSError):
+                sock = socket.socket(fileno=os.dup(fd))
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                finally:
+                    sock.close()
 
 
 def _seconds(name: str, value: Any) -> float:
@@ -178,7 +264,31 @@ def _without_found_rows(_dialect: Any, _record: Any, _cargs: Any, cparams: dict[
     cparams["client_flag"] = int(cparams.get("client_flag", 0)) & ~CLIENT_FOUND_ROWS
 
 
-def _reason(exc: Exception) -> str:
+#: What PostgreSQL says when it refuses a login (libpq's connection errors
+#: carry no SQLSTATE, so the server's text is matched): a wrong password,
+#: a role that does not exist, no ``pg_hba.conf`` entry for it.
+_PG_AUTH_REFUSED = re.compile(
+    r"password authentication failed|role \"[^\"]*\" does not exist|no pg_hba\.conf entry"
+    r"|authentication failed for user"
+)
+
+#: MySQL/MariaDB errors that refuse a login: ER_ACCESS_DENIED_ERROR (1045),
+#: ER_DBACCESS_DENIED_ERROR (1044).
+_MYSQL_AUTH_REFUSED = frozenset({1044, 1045})
+
+
+def _auth_refused(exc: BaseException) -> bool:
+    """True when the database refused the credentials (a driver error
+    wrapped by SQLAlchemy, or the driver's own): PostgreSQL's messages
+    above, or a MySQL error code in :data:`_MYSQL_AUTH_REFUSED`."""
+    orig = getattr(exc, "orig", None) or exc
+    args = getattr(orig, "args", ())
+    if args and isinstance(args[0], int) and args[0] in _MYSQL_AUTH_REFUSED:
+        return type(orig).__module__.startswith("pymysql")
+    return type(orig).__module__.startswith("psycopg") and bool(_PG_AUTH_REFUSED.search(str(orig)))
+
+
+def _reason(exc: BaseException) -> str:
     """The driver's own message, first line, with its class."""
     orig = getattr(exc, "orig", None) or exc
     lines = str(orig).strip().splitlines() or [""]
@@ -200,6 +310,8 @@ class SQLConnection(SQLDialects):
     _pid: int
     #: tables checked or created
     _ready: bool
+    #: the client-side bound of each call (PostgreSQL, MySQL), or None
+    _watchdog: _Watchdog | None
 
     def now_ms(self) -> int:
         """The database clock, epoch milliseconds (UTC): PostgreSQL
@@ -223,7 +335,9 @@ class SQLConnection(SQLDialects):
 
         Raises:
             BackendUnavailable: the database cannot be reached or fails.
-            ConfigurationError: the SQLite file's directory does not exist; a
+            ConfigurationError: the database refused the credentials (a wrong
+                password, a role or user that does not exist); the SQLite
+                file's directory does not exist; a
                 user's MySQL Engine reports found rather than changed rows
                 (``CLIENT_FOUND_ROWS``); a table of one of our names lacks
                 our columns (another program's); the tables were made by a
@@ -235,11 +349,21 @@ class SQLConnection(SQLDialects):
         if self._engine is None:
             self._check_sqlite_dir()
             self._engine = self._create_engine()
-        with self._unavailable("open"):
-            self._check_found_rows(self._engine)
-            self._create_tables(self._engine)
-            foreign = self._foreign_tables(self._engine)
-            version = self._schema_version(self._engine) if not foreign else 0
+        try:
+            with self._unavailable("open"):
+                self._check_found_rows(self._engine)
+                self._create_tables(self._engine)
+                foreign = self._foreign_tables(self._engine)
+                version = self._schema_version(self._engine) if not foreign else 0
+        except BackendUnavailable as exc:
+            cause = exc.__cause__
+            if cause is not None and _auth_refused(cause):
+                raise ConfigurationError(
+                    f"anarchon_backend: {self.describe()} refused the credentials "
+                    f"({_reason(cause)}); fix the user name or password in the URL, or create "
+                    "that role or user in the database."
+                ) from cause
+            raise
         if foreign:
             raise ConfigurationError(
                 f"anarchon_backend: {'; '.join(foreign)} in {self.describe()}: a table of that "
@@ -255,7 +379,13 @@ class SQLConnection(SQLDialects):
                 "anarchon_backend_options['prefix'] to use other tables."
             )
         self._ready = True
+        if self.kind != "sqlite":
+            self._measure_clock_offset()
         logger.info("anarchon: SQL backend ready: %s", self.describe())
+
+    def exists(self) -> bool:
+        """False for a SQLite file that is not there yet (opening creates it)."""
+        return self.kind != "sqlite" or os.path.exists(self._url.database or "")
 
     def close(self) -> None:
         """Dispose of the engine this backend made; a user's Engine is left
@@ -291,13 +421,32 @@ class SQLConnection(SQLDialects):
             self._engine.dispose(close=False)
         self._pid = os.getpid()
 
+    def request_timeout_s(self) -> float | None:
+        """The client-side bound of one call, seconds: ``statement_timeout``
+        plus :data:`WATCHDOG_SLACK_S` (PostgreSQL, MySQL); None on SQLite,
+        which is embedded (no request can be held up on the way, so a claim
+        needs no deadline)."""
+        if self.kind == "sqlite":
+            return None
+        return self.statement_timeout + WATCHDOG_SLACK_S
+
     @contextmanager
     def _unavailable(self, what: str) -> Iterator[None]:
-        """Raise driver and pool errors as BackendUnavailable."""
-        try:
-            yield
-        except _DRIVER_ERRORS as exc:
-            raise BackendUnavailable(f"{self.describe()}: {what} failed: {_reason(exc)}") from exc
+        """Raise driver and pool errors as BackendUnavailable; the block
+        runs under the client-side bound (:class:`_Watchdog`)."""
+        watchdog = getattr(self, "_watchdog", None)
+        if watchdog is None:
+            bound: Any = nullcontext([])
+        else:
+            bound = watchdog.bound()
+        with bound as armed:
+            try:
+                yield
+            except _DRIVER_ERRORS as exc:
+                why = _reason(exc)
+                if armed and armed[0] == "timed out":
+                    why = f"no answer within {watchdog.limit_s:g}s ({why})"  # type: ignore[union-attr]
+                raise BackendUnavailable(f"{self.describe()}: {what} failed: {why}") from exc
 
     @contextmanager
     def _write(self, what: str) -> Iterator[Connection]:
@@ -335,8 +484,10 @@ class SQLConnection(SQLDialects):
             sa.event.listen(engine, "connect", _sqlite_setup(self.statement_timeout))
             sa.event.listen(engine, "begin", _sqlite_on_begin)
             return engine
+        self._watchdog = _Watchdog(self.statement_timeout + WATCHDOG_SLACK_S)
         if self.kind == "postgresql":
             engine = sa.create_engine(self._url, connect_args=self._postgres_args(), **common)
+            self._watchdog.listen(engine)
             _check_on_checkout(engine)
             return engine
         engine = sa.create_engine(
@@ -346,6 +497,7 @@ class SQLConnection(SQLDialects):
             **common,
         )
         sa.event.listen(engine, "do_connect", _without_found_rows)
+        self._watchdog.listen(engine)
         _check_on_checkout(engine)
         return engine
 
@@ -356,6 +508,10 @@ class SQLConnection(SQLDialects):
             "connect_timeout": max(2, math.ceil(self.connect_timeout)),
             "options": f"{options} -c statement_timeout={timeout_ms}".strip(),
             "tcp_user_timeout": timeout_ms,
+            "keepalives": 1,
+            "keepalives_idle": max(1, math.ceil(self.statement_timeout)),
+            "keepalives_interval": 1,
+            "keepalives_count": 3,
             "application_name": str(self._url.query.get("application_name", "celery-anarchon")),
         }
 

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from ..base import Claim, ClaimRequest, State
-from .dialects import INSERT_CHUNK
+from .dialects import _NOW_SQL, INSERT_CHUNK
 from .naming import key_of
 from .registry import SQLRegistry
 
@@ -29,8 +29,54 @@ def _lost(job: str, slot_ms: int, reason: str) -> Claim:
     return Claim(job, slot_ms, won=False, token=None, reason=reason)
 
 
+class _PastDeadline(Exception):
+    """Raised inside a claim's transaction to roll it back: the database's
+    clock passed a won request's deadline before the commit."""
+
+
+def _late_or(request: ClaimRequest, answer: Claim) -> Claim:
+    """A won answer of a transaction rolled back for its deadline, as lost
+    with ``"deadline"``; any other answer as it is."""
+    return _lost(request.job, request.slot_ms, "deadline") if answer.won else answer
+
+
+#: PostgreSQL: the last statement of a claim's transaction reads the clock
+#: and, when the deadline ``:d`` (epoch ms) is ahead, lets the session wait
+#: for the commit no longer than until then
+#: (``idle_in_transaction_session_timeout``, for this transaction only):
+#: a ``COMMIT`` held up on the way past the deadline finds the session
+#: ended by the server, and nothing is committed.
+_PG_COMMIT_GUARD = (
+    "SELECT n.t, set_config('idle_in_transaction_session_timeout', "
+    "CAST(GREATEST(1, :d - n.t) AS text), true) FROM (SELECT {now} AS t) AS n"
+)
+
+
 class SQLLeases(SQLRegistry):
     """Leases on ``<prefix>runs``: each claim's ``owner``, ``token`` and ``lease_until_ms``."""
+
+    def _commit_by_deadline(
+        self, conn: Connection, requests: Sequence[ClaimRequest], answers: Sequence[Claim]
+    ) -> None:
+        """The last statement of a claim or take-over transaction that won
+        something: read the database clock again and raise
+        :class:`_PastDeadline` (rolling the transaction back) when it is past
+        the earliest deadline of the won requests. On PostgreSQL it also
+        bounds the wait for the commit by that deadline (see
+        :data:`_PG_COMMIT_GUARD`). Nothing on SQLite (no deadlines)."""
+        deadlines = [
+            r.deadline_ms for r, a in zip(requests, answers, strict=True) if a.won and r.deadline_ms
+        ]
+        if not deadlines or self.kind == "sqlite":
+            return
+        deadline = min(deadlines)
+        if self.kind == "postgresql":
+            guard = sa.text(_PG_COMMIT_GUARD.format(now=_NOW_SQL["postgresql"]))
+            now = int(conn.execute(guard, {"d": deadline}).scalar_one())
+        else:
+            now = self._now(conn)
+        if now > deadline:
+            raise _PastDeadline()
 
     def _claim_row(self, req: ClaimRequest, now: int, token: int) -> dict[str, Any]:
         return {
@@ -82,34 +128,47 @@ class SQLLeases(SQLRegistry):
             ``old + 1`` (or 1); lost with ``"window"`` outside the claim
             window, ``"held"`` when the record is still ``claimed`` with its
             lease running (its holder, maybe a backup that took it over
-            first, may still send it), ``"taken"`` otherwise (sent, or a
-            manual run).
+            first, may still send it), ``"deadline"`` past the request's
+            deadline by the database clock (nothing written), ``"taken"``
+            otherwise (sent, or a manual run).
         Raises:
             BackendUnavailable: no answer; treat every request as lost.
         """
         if not requests:
             return []
+        requests = self.stamp_deadlines(requests)
         answers: list[Claim] = []
-        with self._write("take over") as conn:
-            now = self._now(conn)
-            keys = [(key_of(r.job), r.slot_ms) for r in requests]
-            current = self._current_records(conn, keys)
-            for request, key in zip(requests, keys, strict=True):
-                row = current.get(key)
-                if row is None:
-                    answers.append(self._take_over(conn, request))
-                elif row.state != State.CLAIMED.value or row.manual_key is not None:
-                    answers.append(_lost(request.job, request.slot_ms, "taken"))
-                elif (row.lease_until_ms or 0) >= now:
-                    answers.append(_lost(request.job, request.slot_ms, "held"))
-                else:
-                    answers.append(self._take_over(conn, request))
+        try:
+            with self._write("take over") as conn:
+                self._take_over_all(conn, requests, answers)
+                self._commit_by_deadline(conn, requests, answers)
+        except _PastDeadline:
+            answers = [_late_or(r, a) for r, a in zip(requests, answers, strict=True)]
         self._after_writes(
             (key_of(r.job), r.history_size, r.history_ttl_ms)
             for r, a in zip(requests, answers, strict=True)
             if a.won
         )
         return answers
+
+    def _take_over_all(
+        self, conn: Connection, requests: Sequence[ClaimRequest], answers: list[Claim]
+    ) -> None:
+        now = self._now(conn)
+        keys = [(key_of(r.job), r.slot_ms) for r in requests]
+        current = self._current_records(conn, keys)
+        for request, key in zip(requests, keys, strict=True):
+            row = current.get(key)
+            if request.past_deadline(now):
+                answers.append(_lost(request.job, request.slot_ms, "deadline"))
+            elif row is None:
+                answers.append(self._take_over(conn, request))
+            elif row.state != State.CLAIMED.value or row.manual_key is not None:
+                answers.append(_lost(request.job, request.slot_ms, "taken"))
+            elif (row.lease_until_ms or 0) >= now:
+                answers.append(_lost(request.job, request.slot_ms, "held"))
+            else:
+                answers.append(self._take_over(conn, request))
 
     def holding(self, claims: Sequence[Claim], margin_ms: int = 0) -> list[bool]:
         """Whether each claim is still held, from one ``SELECT`` of the
