@@ -55,7 +55,7 @@ def path_apply_async(app: Celery, n: int) -> None:
     with app.producer_or_acquire() as producer:
         for i in range(n):
             send_slot(
-                app, e, job=f"j{i}", slot_ms=i, token=1, task_id=task_id_for(f"j{i}", i),
+                app, e, job=f"j{i}", slot_ms=i, token=1, task_id=task_id_for(f"j{i}", i, namespace="bench:"),
                 producer=producer, retry=False,
             )  # fmt: skip
 
@@ -66,7 +66,7 @@ def path_batch(app: Celery, n: int) -> None:
     def publish(i: int, producer: Any) -> None:
         # as the Publisher does: the queue declared by the first message only
         send_slot(
-            app, e, job=f"j{i}", slot_ms=i, token=1, task_id=task_id_for(f"j{i}", i),
+            app, e, job=f"j{i}", slot_ms=i, token=1, task_id=task_id_for(f"j{i}", i, namespace="bench:"),
             producer=producer, retry=False, declare=[] if i else None,
         )  # fmt: skip
 
@@ -82,7 +82,7 @@ def path_floor(app: Celery, n: int) -> None:
     pipe = client.pipeline(transaction=False)
     for i in range(n):
         headers, properties, body, _ = app.amqp.as_task_v2(
-            task_id_for(f"j{i}", i), "bench.t", args=(1,), kwargs={}
+            task_id_for(f"j{i}", i, namespace="bench:"), "bench.t", args=(1,), kwargs={}
         )
         headers.update({"celery_beat_task": True, "anarchon_job": f"j{i}"})
         envelope = {

@@ -34,14 +34,17 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kombu import Producer
-from kombu.exceptions import BatchPublishError, ContentDisallowed, EncodeError
+from kombu.exceptions import BatchPublishError, EncodeError
 
 __all__ = [
     "CONFIRM_TIMEOUT",
     "FLUSH_EVERY",
     "BatchWriter",
     "Outcome",
-    "refused_by_serializer",
+    "IN_DOUBT",
+    "UNSENDABLE",
+    "UNSENT",
+    "publish_failure",
 ]
 
 logger = logging.getLogger(__name__)
@@ -66,8 +69,9 @@ class Outcome(enum.Enum):
 
     #: written (Redis: the pipeline answered; AMQP: the broker confirmed it)
     SENT = "sent"
-    #: the message could not be built (the serializer refused its args or
-    #: kwargs): nothing written, and trying again cannot help
+    #: the message could not be built (the serializer or the task's
+    #: argument check refused its args or kwargs: :data:`UNSENDABLE`):
+    #: nothing written, and trying again cannot help
     REFUSED = "refused"
     #: certainly not written (the connection could not be made, or the
     #: chunk was discarded before its write): it may be sent again
@@ -80,25 +84,46 @@ class Outcome(enum.Enum):
     UNTRIED = "untried"
 
 
-def refused_by_serializer(exc: BaseException) -> bool:
-    """True when ``exc`` says a message could not be built from its own
-    content (kombu's ``EncodeError``, or a content type the serializer
-    registry refuses), so it is the message's own failure, not the
-    broker's."""
-    return isinstance(exc, (EncodeError, ContentDisallowed))
+#: What a failed publish means for its slot (:func:`publish_failure`).
+UNSENT = "unsent"
+IN_DOUBT = "in doubt"
+UNSENDABLE = "unsendable"
 
 
-def _never_connected(exc: BaseException) -> bool:
-    """True when ``exc`` (or what it wraps) says the broker connection could
-    not be made at all (refused, or the host did not resolve)."""
+def publish_failure(exc: BaseException, may_have_written: bool) -> str:
+    """What a failed publish means for its slot: the one rule.
+
+    * :data:`UNSENDABLE`: the slot's message itself was refused, before
+      anything was written: by the serializer (kombu's ``EncodeError``, e.g.
+      a custom object under JSON) or by the task's argument check (Celery's
+      ``TypeError`` under ``strict_typing``). No attempt, here or by a
+      backup, can do better. The slot's own failure: recorded ``lost`` at
+      once; the broker is fine and other slots keep being sent.
+    * :data:`UNSENT`: nothing was written: the publish failed before it
+      could write (``may_have_written`` False), or the connection it needed
+      was never made (refused, or the host name did not resolve), found
+      anywhere in the chain Python prints for ``exc`` (``__cause__``, else
+      ``__context__``: kombu and Celery re-raise a refusal as
+      ``OperationalError('Error 111 connecting ... Connection refused.')``).
+      It may be tried again, and on a lease backend is left to a backup.
+    * :data:`IN_DOUBT`: anything else once the write may have begun: the
+      message may be queued; never sent again (docs/exactly-once.md).
+    """
+    if isinstance(exc, (EncodeError, TypeError)):
+        return UNSENDABLE
+    if not may_have_written:
+        return UNSENT
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         if isinstance(current, (ConnectionRefusedError, socket.gaierror)):
-            return True
+            return UNSENT
         seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return False
+        if current.__cause__ is not None:
+            current = current.__cause__
+        else:
+            current = None if current.__suppress_context__ else current.__context__
+    return IN_DOUBT
 
 
 class BatchWriter:
@@ -230,7 +255,7 @@ class BatchWriter:
                     try:
                         self._publish(items[index], producer)
                     except Exception as exc:
-                        if refused_by_serializer(exc):
+                        if publish_failure(exc, False) == UNSENDABLE:
                             outcomes[index] = (Outcome.REFUSED, exc)
                             continue
                         # Routing (a bindings read) or the connection failed
@@ -290,12 +315,12 @@ class BatchWriter:
             try:
                 self._publish(items[index], confirm)
             except Exception as exc:
-                if refused_by_serializer(exc):
+                if publish_failure(exc, False) == UNSENDABLE:
                     outcomes[index] = (Outcome.REFUSED, exc)
                     continue
                 self.broken = True
-                written = not _never_connected(exc)
-                outcomes[index] = (Outcome.IN_DOUBT if written else Outcome.NOT_SENT, exc)
+                unsent = publish_failure(exc, True) == UNSENT
+                outcomes[index] = (Outcome.NOT_SENT if unsent else Outcome.IN_DOUBT, exc)
                 stopped = True
                 break
             self._next_tag = tag + 1

@@ -15,12 +15,9 @@ the shares of its lease named below.
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
-
-from kombu.exceptions import EncodeError
 
 from ..backends.base import Claim, State
 from ..exceptions import BackendUnavailable
@@ -29,7 +26,7 @@ from ..metrics import Metrics
 from ..times import iso as _iso
 from ..times import ms as _ms
 from .agenda import SEND_FAILED, Agenda, Slot
-from .batch import BatchWriter, Outcome
+from .batch import IN_DOUBT, UNSENDABLE, UNSENT, BatchWriter, Outcome, publish_failure
 from .claiming import Claimer
 from .journal import Journal
 from .link import BackendLink
@@ -96,48 +93,6 @@ class _PublishInDoubt(Exception):
     def __init__(self, cause: Exception) -> None:
         super().__init__(repr(cause))
         self.cause = cause
-
-
-#: What a failed publish means for its slot (:func:`publish_failure`).
-UNSENT = "unsent"
-IN_DOUBT = "in doubt"
-UNSENDABLE = "unsendable"
-
-
-def publish_failure(exc: BaseException, may_have_written: bool) -> str:
-    """What a failed publish means for its slot: the one rule.
-
-    * :data:`UNSENDABLE`: the slot's message itself was refused, before
-      anything was written: by the serializer (kombu's ``EncodeError``, e.g.
-      a custom object under JSON) or by the task's argument check (Celery's
-      ``TypeError`` under ``strict_typing``). No attempt, here or by a
-      backup, can do better. The slot's own failure: recorded ``lost`` at
-      once; the broker is fine and other slots keep being sent.
-    * :data:`UNSENT`: nothing was written: the publish failed before it
-      could write (``may_have_written`` False), or the connection it needed
-      was never made (refused, or the host name did not resolve), found
-      anywhere in the chain Python prints for ``exc`` (``__cause__``, else
-      ``__context__``: kombu and Celery re-raise a refusal as
-      ``OperationalError('Error 111 connecting ... Connection refused.')``).
-      It may be tried again, and on a lease backend is left to a backup.
-    * :data:`IN_DOUBT`: anything else once the write may have begun: the
-      message may be queued; never sent again (docs/exactly-once.md).
-    """
-    if isinstance(exc, (EncodeError, TypeError)):
-        return UNSENDABLE
-    if not may_have_written:
-        return UNSENT
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        if isinstance(current, (ConnectionRefusedError, socket.gaierror)):
-            return UNSENT
-        seen.add(id(current))
-        if current.__cause__ is not None:
-            current = current.__cause__
-        else:
-            current = None if current.__suppress_context__ else current.__context__
-    return IN_DOUBT
 
 
 class _Unsendable(Exception):
@@ -334,7 +289,8 @@ class Publisher:
                     sent += 1
                 elif outcome is Outcome.REFUSED:
                     assert error is not None
-                    self._on_refused(slot, error)
+                    self._metrics.send_failed(slot.job.name)
+                    self._on_unsendable(slot, error)
                 elif outcome is Outcome.IN_DOUBT:
                     assert error is not None
                     self._metrics.send_failed(slot.job.name)
@@ -388,7 +344,8 @@ class Publisher:
         """The batch writer's publish: one won slot's message on ``producer``."""
         job, claim = slot.job, slot.claim
         assert claim is not None
-        slot.task_id = task_id_for(job.name, slot.slot_ms)
+        assert self._link.backend is not None  # it answered the claim
+        slot.task_id = task_id_for(job.name, slot.slot_ms, namespace=self._link.backend.namespace)
         # From here on not released on shutdown (see :meth:`send`).
         self._claimer.held.pop(slot.key, None)
         # Celery declares a message's queue before each publish (kombu copies
@@ -437,21 +394,6 @@ class Publisher:
             self._instance_id,
         )
         self._journal.record_sent(slot)
-
-    def _on_refused(self, slot: Slot, exc: BaseException) -> None:
-        """The serializer refused a slot's message: nothing was written, and
-        trying again cannot help. That slot alone is recorded ``lost`` with
-        the error; the publisher goes on (no pause)."""
-        assert slot.claim is not None
-        self._metrics.send_failed(slot.job.name)
-        error = f"the message could not be serialized: {exc!r}"
-        logger.error(
-            "anarchon: %s @ %s: %s; recorded lost (fix the entry's args/kwargs or its serializer)",
-            slot.job.name,
-            _iso(slot.slot_ms),
-            error,
-        )
-        self._journal.mark(slot.claim, State.LOST, task_id=slot.task_id, error=error)
 
     def _still_hold(self, slots: Sequence[Slot]) -> list[bool]:
         """For each slot, whether its claim is still held (as
@@ -605,7 +547,7 @@ class Publisher:
                 exc,
             )
 
-    def _on_unsendable(self, slot: Slot, exc: Exception) -> None:
+    def _on_unsendable(self, slot: Slot, exc: BaseException) -> None:
         """The serializer or the task's argument check refused the slot's
         args or kwargs: its own failure, recorded ``lost`` with that error at
         once (a backup would fail the same way). The broker is not paused
