@@ -40,6 +40,10 @@ from celery_anarchon.beat.batch import BatchWriter, Outcome
 from celery_anarchon.message import send_slot, task_id_for
 
 
+def task_id(i: int) -> str:
+    return task_id_for(f"j{i}", i, namespace="bench:")
+
+
 def make_app(broker: str, queue: str) -> Celery:
     app = Celery("bench-send", set_as_current=False, broker=broker)
     app.conf.update(task_default_queue=queue, timezone="UTC")
@@ -55,7 +59,7 @@ def path_apply_async(app: Celery, n: int) -> None:
     with app.producer_or_acquire() as producer:
         for i in range(n):
             send_slot(
-                app, e, job=f"j{i}", slot_ms=i, token=1, task_id=task_id_for(f"j{i}", i, namespace="bench:"),
+                app, e, job=f"j{i}", slot_ms=i, token=1, task_id=task_id(i),
                 producer=producer, retry=False,
             )  # fmt: skip
 
@@ -66,7 +70,7 @@ def path_batch(app: Celery, n: int) -> None:
     def publish(i: int, producer: Any) -> None:
         # as the Publisher does: the queue declared by the first message only
         send_slot(
-            app, e, job=f"j{i}", slot_ms=i, token=1, task_id=task_id_for(f"j{i}", i, namespace="bench:"),
+            app, e, job=f"j{i}", slot_ms=i, token=1, task_id=task_id(i),
             producer=producer, retry=False, declare=[] if i else None,
         )  # fmt: skip
 
@@ -82,7 +86,7 @@ def path_floor(app: Celery, n: int) -> None:
     pipe = client.pipeline(transaction=False)
     for i in range(n):
         headers, properties, body, _ = app.amqp.as_task_v2(
-            task_id_for(f"j{i}", i, namespace="bench:"), "bench.t", args=(1,), kwargs={}
+            task_id(i), "bench.t", args=(1,), kwargs={}
         )
         headers.update({"celery_beat_task": True, "anarchon_job": f"j{i}"})
         envelope = {
