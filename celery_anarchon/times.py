@@ -1,19 +1,22 @@
 """Durations and instants as the rest of the package reads and shows them.
 
-One duration parser (:func:`seconds`: a setting's value to float seconds)
-and one formatter of instants (:func:`iso`: epoch milliseconds to ISO 8601
-UTC), so a setting means the same everywhere and every log line and
-description shows a time the same way.
+One duration parser for settings (:func:`seconds`: a setting's value to
+float seconds), one for backend options (:func:`option_seconds`, which also
+takes the numeric strings of a URL's query), and one formatter of
+instants (:func:`iso`: epoch milliseconds to ISO 8601 UTC), so a setting
+means the same everywhere and every log line and description shows a time
+the same way.
 """
 
 from __future__ import annotations
 
+import math
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from .exceptions import ConfigurationError
 
-__all__ = ["iso", "ms", "seconds", "utc"]
+__all__ = ["iso", "ms", "option_seconds", "seconds", "utc"]
 
 
 def seconds(value: Any, *, setting: str, job: str | None = None) -> float:
@@ -38,6 +41,28 @@ def seconds(value: Any, *, setting: str, job: str | None = None) -> float:
         )
     if result < 0:
         raise ConfigurationError(f"{where}{setting} must not be negative, got {value!r}.")
+    return result
+
+
+def option_seconds(name: str, value: Any, *, most: float | None = None) -> float:
+    """A backend option's duration: ``value`` (a number, a numeric string as
+    a URL's query gives it, or a timedelta) as float seconds, positive and
+    finite (and at most ``most`` when given).
+
+    Raises:
+        ConfigurationError: anything else, naming
+            ``anarchon_backend_options[name]`` and an example.
+    """
+    try:
+        result = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    except (TypeError, ValueError):
+        result = math.nan
+    if isinstance(value, bool) or not 0 < result < math.inf or (most is not None and result > most):
+        bound = f" and at most {most:g}" if most is not None else ""
+        raise ConfigurationError(
+            f"anarchon_backend_options[{name!r}]: expected a positive number of seconds"
+            f"{bound}, got {value!r}; e.g. {{{name!r}: 5}}."
+        )
     return result
 
 

@@ -14,6 +14,7 @@ from celery import Celery
 from celery_anarchon.backends import backend_from_url
 from celery_anarchon.exceptions import ConfigurationError
 from celery_anarchon.settings import Settings, default_backend_url, started_by_beat
+from celery_anarchon.times import option_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -218,3 +219,20 @@ def test_redis_py_connection_arguments_in_the_url_query_are_accepted() -> None:
     assert backend.prefix == "x:"  # type: ignore[attr-defined]
     tls = "rediss://127.0.0.1:6380/0?ssl_cert_reqs=none&ssl_ca_certs=/tmp/ca.pem"
     assert "rediss://127.0.0.1:6380/0" in backend_from_url(tls, instance="i").describe()
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [(5, 5.0), ("2.5", 2.5), (timedelta(minutes=1), 60.0)]
+)
+def test_a_backend_options_duration_takes_numbers_url_strings_and_timedeltas(
+    value: object, expected: float
+) -> None:
+    assert option_seconds("socket_timeout", value) == expected
+
+
+@pytest.mark.parametrize("value", [0, -1, "abc", None, True, float("nan"), float("inf"), 7200])
+def test_a_backend_options_duration_is_refused_by_name(value: object) -> None:
+    with pytest.raises(
+        ConfigurationError, match=r"anarchon_backend_options\['statement_timeout'\]"
+    ):
+        option_seconds("statement_timeout", value, most=3600)

@@ -5,7 +5,6 @@ with recovery after a channel error, and the clock."""
 from __future__ import annotations
 
 import logging
-import math
 import re
 import threading
 import time
@@ -18,6 +17,7 @@ import kombu
 from amqp.exceptions import AMQPError
 
 from ...exceptions import BackendUnavailable, ConfigurationError
+from ...times import option_seconds
 from .. import sanitize_url
 from .channel import _ConfirmChannel, _Lane
 from .naming import RabbitMQNaming
@@ -50,16 +50,8 @@ def _now_ms() -> int:
 
 
 def _positive(name: str, value: float | timedelta | str) -> float:
-    try:
-        seconds = _seconds(value)
-    except (TypeError, ValueError):
-        seconds = math.nan
-    if not seconds > 0 or math.isinf(seconds):
-        raise ConfigurationError(
-            f"anarchon_backend_options: {name}={value!r} is not a positive number of "
-            f"seconds; give e.g. {name}=300."
-        )
-    return seconds
+    """A positive duration option (:func:`~celery_anarchon.times.option_seconds`)."""
+    return option_seconds(name, value)
 
 
 class RabbitMQConnection(RabbitMQNaming):

@@ -28,6 +28,7 @@ from redis.retry import Retry
 from redis.sentinel import Sentinel
 
 from ...exceptions import BackendUnavailable, ConfigurationError
+from ...times import option_seconds
 from .. import sanitize_url
 from .naming import RedisNaming
 from .scripts import SCRIPTS, _Call, _Script
@@ -99,16 +100,8 @@ def _one_reconnect() -> Retry:
 
 
 def _seconds(value: float | str) -> float:
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        seconds = -1.0
-    if seconds <= 0:
-        raise ConfigurationError(
-            f"anarchon_backend_options: socket_timeout must be a positive number of "
-            f"seconds, got {value!r}."
-        )
-    return seconds
+    """``socket_timeout`` (:func:`~celery_anarchon.times.option_seconds`)."""
+    return option_seconds("socket_timeout", value)
 
 
 def _flag(name: str, value: bool | str) -> bool:

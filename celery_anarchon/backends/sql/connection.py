@@ -15,7 +15,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext, suppress
-from datetime import timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -23,6 +22,7 @@ from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.schema import CreateTable
 
 from ...exceptions import BackendUnavailable, ConfigurationError
+from ...times import option_seconds
 from .. import SCHEMES, sanitize_url
 from .dialects import SQLDialects
 from .naming import SCHEMA_VERSION
@@ -133,18 +133,9 @@ class _Watchdog:
 
 
 def _seconds(name: str, value: Any) -> float:
-    """A positive duration option in seconds (number, numeric string or
-    ``timedelta``)."""
-    try:
-        seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    except (TypeError, ValueError):
-        seconds = math.nan
-    if not 0 < seconds <= 3600:
-        raise ConfigurationError(
-            f"anarchon_backend_options[{name!r}]: expected seconds between 0 and 3600, "
-            f"got {value!r}; e.g. {{{name!r}: 5}}."
-        )
-    return seconds
+    """A positive duration option in seconds, at most an hour
+    (:func:`~celery_anarchon.times.option_seconds`)."""
+    return option_seconds(name, value, most=3600)
 
 
 def _check_on_checkout(engine: Engine) -> None:
