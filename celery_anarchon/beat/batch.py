@@ -60,6 +60,10 @@ FLUSH_EVERY = 500
 #: confirmed by then is in doubt.
 CONFIRM_TIMEOUT = 5.0
 
+#: kombu's ``Producer.batch(max_size=...)``: a bound no chunk reaches, so
+#: kombu never writes part of a chunk on its own.
+_NEVER_FLUSH = 2**62
+
 PIPELINE = "pipeline"
 CONFIRMS = "confirms"
 
@@ -245,9 +249,11 @@ class BatchWriter:
         stopped = False
         failure: BaseException | None = None
         try:
-            # max_size above the chunk: kombu never flushes on its own
+            # max_size above anything a chunk can buffer (a message takes
+            # one command per priority step on an expiring queue, and one
+            # per topic on a fanout): kombu never writes on its own
             # mid-chunk, so one chunk is one write with one outcome.
-            with producer.batch(max_size=(end - start) * 4 + 16):
+            with producer.batch(max_size=_NEVER_FLUSH):
                 for index in range(start, end):
                     if not keep_going(index):
                         stopped = True
@@ -258,6 +264,11 @@ class BatchWriter:
                         if publish_failure(exc, False) == UNSENDABLE:
                             outcomes[index] = (Outcome.REFUSED, exc)
                             continue
+                        if isinstance(exc, BatchPublishError):
+                            # kombu wrote the buffer on its own, this message
+                            # with it perhaps, and the write failed
+                            outcomes[index] = (Outcome.IN_DOUBT, exc)
+                            raise
                         # Routing (a bindings read) or the connection failed
                         # while buffering: nothing of the chunk was written.
                         outcomes[index] = (Outcome.NOT_SENT, exc)

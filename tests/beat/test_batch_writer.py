@@ -350,3 +350,65 @@ def test_a_refused_message_is_its_slots_loss_alone(redis_app: Celery) -> None:
     assert sorted(m["headers"]["anarchon_job"] for m in queued(redis_app)) == sorted(
         f"good{i}" for i in range(20)
     )
+
+
+def test_a_redis_chunk_to_an_expiring_queue_is_one_write(redis_app: Celery) -> None:
+    """A queue with an expiry costs kombu five pipeline commands per
+    message (an LPUSH and a PEXPIRE per priority step), more than the
+    chunk's pipeline was sized for: kombu must still not write part of the
+    chunk on its own while a message is buffered. Were it to, and that
+    write go unanswered, the message being buffered would be called 'not
+    sent' although it was in the write, and the caller would send it a
+    second time."""
+    name = redis_app.conf.task_default_queue
+    with Proxy(6379) as proxy:
+        app = app_for(
+            f"redis://127.0.0.1:{proxy.port}/1",
+            broker_transport_options={"socket_timeout": 1.0},
+            queue=name,
+            task_queues=[Queue(name, expires=60)],
+        )
+        with app.producer_or_acquire() as producer:
+            writer = BatchWriter(publisher(app), flush_every=16)
+
+            def keep_going(index: int) -> bool:
+                if index == 15:
+                    proxy.stall()  # from the last message on, nothing answered
+                return True
+
+            outcomes = writer.write(producer, list(range(16)), keep_going)
+        proxy.unstall()
+    written = {m["body"][0][0] for m in queued(redis_app)}
+    not_sent = {i for i, (outcome, _) in enumerate(outcomes) if outcome is Outcome.NOT_SENT}
+    assert not (written & not_sent), f"'not sent' yet queued: {sorted(written & not_sent)}"
+    assert [o for o, _ in outcomes] == [Outcome.IN_DOUBT] * 16
+    assert writer.broken
+
+
+def test_a_redis_chunk_is_one_write_however_many_commands_a_message_takes(
+    redis_app: Celery,
+) -> None:
+    """100 messages to an expiring queue (five pipeline commands each) are
+    one pipeline: a chunk that fails is in doubt as a whole, and one that
+    was written is sent as a whole (never some of it written, then called
+    in doubt and recorded lost though queued)."""
+    from redis.client import Pipeline
+
+    calls = []
+    original = Pipeline.execute
+
+    def execute(self: Any, *args: Any, **kwargs: Any) -> Any:
+        pushes = sum(1 for args, _ in self.command_stack if args[0] == "LPUSH")
+        if pushes:
+            calls.append(pushes)
+        return original(self, *args, **kwargs)
+
+    name = redis_app.conf.task_default_queue
+    app = app_for(REDIS, queue=name, task_queues=[Queue(name, expires=60)])
+    with pytest.MonkeyPatch.context() as patch, app.producer_or_acquire() as producer:
+        patch.setattr(Pipeline, "execute", execute)
+        outcomes = BatchWriter(publisher(app), flush_every=100).write(
+            producer, list(range(100)), lambda index: True
+        )
+    assert counts(outcomes) == {Outcome.SENT: 100}
+    assert calls == [100]
