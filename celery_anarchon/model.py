@@ -57,6 +57,22 @@ def missing_key(name: str | None, key: str) -> str:
     return f"beat_schedule[{name!r}]: no {key!r}; every entry needs a task and a schedule."
 
 
+def shape_problem(name: str | None, args: Any, kwargs: Any) -> str | None:
+    """Why an entry's ``args`` (a list or tuple) or ``kwargs`` (a dict) have
+    the wrong shape, or None: one text for ``check`` and beat's start-up."""
+    if args is not None and not isinstance(args, (list, tuple)):
+        return (
+            f"beat_schedule[{name!r}]['args']: expected a list or tuple, got {args!r}; "
+            f"e.g. 'args': [{args!r}]."
+        )
+    if kwargs is not None and not isinstance(kwargs, dict):
+        return (
+            f"beat_schedule[{name!r}]['kwargs']: expected a dict, got {kwargs!r}; "
+            "e.g. 'kwargs': {'name': value}."
+        )
+    return None
+
+
 def _check_interval(name: str | None, schedule: Any) -> None:
     """Refuse an interval schedule (seconds, a timedelta, Celery's
     ``schedule``) that is not finite or is below :data:`MIN_INTERVAL`.
@@ -251,6 +267,9 @@ def build_jobs(
     for name, entry in entries.items():
         if not entry.task:
             raise ConfigurationError(missing_key(name, "task"))
+        shape = shape_problem(name, entry.args, entry.kwargs)
+        if shape is not None:
+            raise ConfigurationError(shape)
         overrides = getattr(entry, "anarchon", None)
         options = settings.job_options(name, overrides)
         slots = slots_for(

@@ -121,6 +121,8 @@ BAD_ENTRIES = [
     ("tiny-interval", {"task": "t", "schedule": 0.001}, "below the floor of 0.1 s"),
     ("tiny-timedelta", {"task": "t", "schedule": timedelta(milliseconds=50)}, "interval 0.05 s"),
     ("no-task", {"schedule": 5.0}, "no 'task'; every entry needs a task"),
+    ("args-not-a-list", {"task": "t", "schedule": 5, "args": 5}, "['args']: expected a list"),
+    ("kwargs-not-a-dict", {"task": "t", "schedule": 5, "kwargs": [1]}, "['kwargs']: expected a"),
     ("unknown-option", {"task": "t", "schedule": 5, "anarchon": {"jiter": 1}}, "jiter"),
     ("unknown-entry-key", {"task": "t", "schedul": 5}, "Did you mean 'schedule'"),
     (

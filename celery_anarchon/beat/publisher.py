@@ -351,7 +351,9 @@ class Publisher:
         # Celery declares a message's queue before each publish (kombu copies
         # and binds the queue each time, a fifth of a batch's CPU): once per
         # route and connection is enough, the messages are the same. Only
-        # without task_routes: a router may pick a queue from the args.
+        # without task_routes (a router may pick a queue from the args), and
+        # for a queue kombu itself would declare once (not one that expires
+        # or is deleted when unused: the broker may drop it between sends).
         if self._declared_on is not producer.connection:
             self._declared_on, self._declared = producer.connection, set()
         options = job.entry.options or {}
@@ -361,7 +363,11 @@ class Publisher:
             repr(options.get("exchange")),
             repr(options.get("routing_key")),
         )
-        declared = route in self._declared and not self._app.conf.task_routes
+        declared = (
+            route in self._declared
+            and not self._app.conf.task_routes
+            and self._declaration_cached(options.get("queue"))
+        )
         send_slot(
             self._app,
             job.entry,
@@ -375,6 +381,17 @@ class Publisher:
             declare=[] if declared else None,
         )
         self._declared.add(route)
+
+    def _declaration_cached(self, queue: Any) -> bool:
+        """True when kombu caches the declaration of ``queue`` (an entry's
+        ``queue`` option: a name, a ``Queue``, or None for the default)."""
+        if queue is None:
+            queue = self._app.conf.task_default_queue
+        if isinstance(queue, str):
+            queue = self._app.amqp.queues.get(queue)
+        if getattr(queue, "expires", None) is not None:  # x-expires, set at declare
+            return False
+        return bool(getattr(queue, "can_cache_declaration", False))
 
     def _pause(self, exc: BaseException) -> None:
         """No publish is tried for :data:`PUBLISH_PAUSE` seconds."""

@@ -412,3 +412,26 @@ def test_a_redis_chunk_is_one_write_however_many_commands_a_message_takes(
         )
     assert counts(outcomes) == {Outcome.SENT: 100}
     assert calls == [100]
+
+
+def test_a_queue_the_broker_may_drop_is_declared_before_every_message() -> None:
+    """The declare-once shortcut of the batch path holds only for a queue
+    kombu itself declares once: not one that expires or is deleted when
+    unused, nor under task_routes (a router may choose by args)."""
+    from kombu import Queue
+
+    from celery_anarchon.beat.publisher import Publisher
+
+    app = app_for(REDIS)
+    app.conf.task_queues = [
+        Queue(app.conf.task_default_queue),
+        Queue("expiring", expires=30),
+        Queue("transient", auto_delete=True),
+    ]
+    publisher = Publisher.__new__(Publisher)
+    publisher._app = app
+    assert publisher._declaration_cached(None)
+    assert publisher._declaration_cached(app.conf.task_default_queue)
+    assert not publisher._declaration_cached("expiring")
+    assert not publisher._declaration_cached("transient")
+    assert not publisher._declaration_cached(Queue("q", queue_arguments={"x-expires": 1000}))

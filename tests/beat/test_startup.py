@@ -71,6 +71,17 @@ def test_an_entry_without_a_task_is_refused_with_checks_message(tmp_path: Path) 
     assert "beat_schedule['taskless']: no 'task'" in str(err.value)
 
 
+def test_args_that_are_not_a_list_stop_beat_with_checks_message(tmp_path: Path) -> None:
+    """``'args': 5`` crashed ``check`` with a traceback and stopped beat
+    with Celery's bare ``'int' object is not iterable``, naming no job."""
+    app = sqlite_app(tmp_path, {"tick": {"task": "proj.t", "schedule": 1.0, "args": 5}})
+    [problem] = run_check(app, None, False).problems
+    with pytest.raises(ConfigurationError) as err:
+        Scheduler(app)
+    assert problem["message"] in str(err.value)
+    assert "beat_schedule['tick']['args']: expected a list or tuple, got 5" in str(err.value)
+
+
 def test_args_the_serializer_refuses_are_logged_at_start_up(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
