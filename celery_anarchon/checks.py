@@ -84,7 +84,12 @@ def check_backend_supports(backend: Backend, settings: Settings, job: Job) -> No
     )
 
 
-def args_problem(app: Any, name: str, entry: beat.ScheduleEntry) -> str | None:
+def args_problem(
+    app: Any,
+    name: str,
+    entry: beat.ScheduleEntry,
+    seen: dict[tuple[Any, ...], Any] | None = None,
+) -> str | None:
     """Why ``entry``'s args and kwargs cannot be sent, or None: they are
     checked once against the task's signature (a task registered in this
     process, under Celery's ``strict_typing``), then encoded once with the
@@ -92,35 +97,64 @@ def args_problem(app: Any, name: str, entry: beat.ScheduleEntry) -> str | None:
     else its task's, else ``task_serializer``). Beat logs the same text at
     start-up and records each of the job's slots ``lost`` with the error;
     ``check`` reports it. Lazy values (``BeatLazyFunc``) are evaluated only
-    when sent, so an entry holding one is not checked."""
+    when sent, so an entry holding one is not checked. ``seen`` (a dict the
+    caller keeps over many entries) remembers each distinct task, serializer,
+    args and kwargs, so 100,000 entries with the same arguments are encoded
+    once."""
     options = entry.options or {}
     task = app.tasks.get(entry.task) if entry.task else None
-    serializer = (
-        options.get("serializer") or getattr(task, "serializer", None) or app.conf.task_serializer
-    )
+    serializer = options.get("serializer") or getattr(task, "serializer", None)
+    if not serializer:
+        # Celery's conf lookups cost ~20 us each: read it once per ``seen``
+        if seen is None:
+            serializer = app.conf.task_serializer
+        else:
+            if ("task_serializer",) not in seen:
+                seen[("task_serializer",)] = app.conf.task_serializer
+            serializer = seen[("task_serializer",)]
     args, kwargs = list(entry.args or ()), dict(entry.kwargs or {})
     if any(isinstance(v, beat.BeatLazyFunc) for v in [*args, *kwargs.values()]):
         return None
+    key = (entry.task, serializer, repr(args), repr(sorted(kwargs.items())))
+    if seen is not None and key in seen:
+        fault = seen[key]
+    else:
+        fault = _args_fault(task, serializer, args, kwargs)
+        if seen is not None:
+            seen[key] = fault
+    if fault is None:
+        return None
+    kind, detail = fault
+    if kind == "signature":
+        return (
+            f"beat_schedule[{name!r}]: task {entry.task!r} does not take its args or "
+            f"kwargs ({detail}); every slot of it would be recorded lost. Fix: give the args "
+            "and kwargs the task's signature takes."
+        )
+    return (
+        f"beat_schedule[{name!r}]: the serializer {serializer!r} refuses its args or "
+        f"kwargs ({detail}); every slot of it would be "
+        "recorded lost. Fix: give args and kwargs that serializer can encode (for "
+        "'json': strings, numbers, booleans, None, lists and dicts, e.g. an id the task "
+        "looks up), or set the entry's options={'serializer': ...} to one that can."
+    )
+
+
+def _args_fault(
+    task: Any, serializer: str, args: list[Any], kwargs: dict[str, Any]
+) -> tuple[str, str] | None:
+    """``('signature', why)``, ``('serializer', why)`` or None (see
+    :func:`args_problem`)."""
     header = getattr(task, "__header__", None) if getattr(task, "typing", False) else None
     if header is not None:
         try:
             header(*args, **kwargs)
         except TypeError as exc:
-            return (
-                f"beat_schedule[{name!r}]: task {entry.task!r} does not take its args or "
-                f"kwargs ({exc}); every slot of it would be recorded lost. Fix: give the args "
-                "and kwargs the task's signature takes."
-            )
+            return "signature", str(exc)
     try:
         dumps((args, kwargs), serializer=serializer)
     except Exception as exc:
-        return (
-            f"beat_schedule[{name!r}]: the serializer {serializer!r} refuses its args or "
-            f"kwargs ({type(exc).__name__}: {one_line(exc)}); every slot of it would be "
-            "recorded lost. Fix: give args and kwargs that serializer can encode (for "
-            "'json': strings, numbers, booleans, None, lists and dicts, e.g. an id the task "
-            "looks up), or set the entry's options={'serializer': ...} to one that can."
-        )
+        return "serializer", f"{type(exc).__name__}: {one_line(exc)}"
     return None
 
 

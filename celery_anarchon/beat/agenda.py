@@ -198,10 +198,14 @@ class Agenda:
         ran (:meth:`settle_gaps`): now, or once the backend answers when it
         is away at start-up."""
         now_ms = self._started_ms = int(self._clock() * 1000)
-        self._events = []
+        events = []
         for job in self._jobs.values():
-            job.next_slot_ms = first_slot(job.slots, now_ms, _ms(job.options.max_late))
-            self.push_next(job)
+            job.next_slot_ms = first = first_slot(job.slots, now_ms, _ms(job.options.max_late))
+            if first is not None:
+                self._seq += 1
+                events.append((first, self._seq, Slot(job, first, DUE)))
+        heapq.heapify(events)  # one O(n) build, not n pushes (100,000 jobs)
+        self._events = events
         self.unsettled = {
             name: job.next_slot_ms
             for name, job in self._jobs.items()

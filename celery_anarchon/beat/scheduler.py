@@ -181,8 +181,9 @@ class Scheduler(beat.Scheduler):
         self._jobs = build_jobs(self.schedule, settings, app_zone(self.app))
         for job in self._jobs.values():
             check_backend_supports(self.link.backend, settings, job)
+        seen: dict[tuple[object, ...], object] = {}
         for name, job in self._jobs.items():
-            problem = args_problem(self.app, name, job.entry)
+            problem = args_problem(self.app, name, job.entry, seen)
             if problem is not None:  # its own slots fail; the other jobs run
                 logger.error("anarchon: %s", problem)
         self._warn_if_local_only(settings)
