@@ -264,8 +264,9 @@ _PG_AUTH_REFUSED = re.compile(
 )
 
 #: MySQL/MariaDB errors that refuse a login: ER_ACCESS_DENIED_ERROR (1045),
-#: ER_DBACCESS_DENIED_ERROR (1044).
-_MYSQL_AUTH_REFUSED = frozenset({1044, 1045})
+#: ER_DBACCESS_DENIED_ERROR (1044), ER_ACCESS_DENIED_NO_PASSWORD_ERROR (1698:
+#: MariaDB's answer to some unknown users, seen in one of several runs).
+_MYSQL_AUTH_REFUSED = frozenset({1044, 1045, 1698})
 
 
 def _auth_refused(exc: BaseException) -> bool:
