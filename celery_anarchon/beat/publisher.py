@@ -342,12 +342,8 @@ class Publisher:
 
     def _publish_one(self, slot: Slot, producer: Any) -> None:
         """The batch writer's publish: one won slot's message on ``producer``."""
-        job, claim = slot.job, slot.claim
-        assert claim is not None
-        assert self._link.backend is not None  # it answered the claim
-        slot.task_id = task_id_for(job.name, slot.slot_ms, namespace=self._link.backend.namespace)
-        # From here on not released on shutdown (see :meth:`send`).
-        self._claimer.held.pop(slot.key, None)
+        job = slot.job
+        self._take_for_send(slot)
         # Celery declares a message's queue before each publish (kombu copies
         # and binds the queue each time, a fifth of a batch's CPU): once per
         # route and connection is enough, the messages are the same. Only
@@ -368,6 +364,24 @@ class Publisher:
             and not self._app.conf.task_routes
             and self._declaration_cached(options.get("queue"))
         )
+        self._send_message(slot, producer, declare=[] if declared else None)
+        self._declared.add(route)
+
+    def _take_for_send(self, slot: Slot) -> None:
+        """Give ``slot`` its task id and take it out of the held claims: from
+        here on it is not released on shutdown, since a publish interrupted
+        after it reached the broker must fall to lease expiry (the documented
+        window, leaving a superseded record), never to a hand-over."""
+        assert self._link.backend is not None  # it answered the claim
+        namespace = self._link.backend.namespace
+        slot.task_id = task_id_for(slot.job.name, slot.slot_ms, namespace=namespace)
+        self._claimer.held.pop(slot.key, None)
+
+    def _send_message(self, slot: Slot, producer: Any, declare: Any = None) -> None:
+        """Publish ``slot``'s message on ``producer`` through Celery
+        (:func:`send_slot`, without kombu's retries); raises what it raises."""
+        job, claim = slot.job, slot.claim
+        assert claim is not None
         send_slot(
             self._app,
             job.entry,
@@ -378,9 +392,8 @@ class Publisher:
             producer=producer,
             expires=job.expires(slot.slot_ms),
             retry=False,
-            declare=[] if declared else None,
+            declare=declare,
         )
-        self._declared.add(route)
 
     def _declaration_cached(self, queue: Any) -> bool:
         """True when kombu caches the declaration of ``queue`` (an entry's
@@ -446,12 +459,7 @@ class Publisher:
         assert claim is not None
         lease_s = job.options.lease_ttl
         held_s = self._clock() - claimed_at
-        assert self._link.backend is not None  # it answered the claim
-        slot.task_id = task_id_for(job.name, slot.slot_ms, namespace=self._link.backend.namespace)
-        # Not released on shutdown from here on: a publish interrupted after
-        # it reached the broker must fall to lease expiry (the documented
-        # window, leaving a superseded record), never to a hand-over.
-        self._claimer.held.pop(slot.key, None)
+        self._take_for_send(slot)
         if held_past(held_s, lease_s, VERIFY_SHARE) and (
             held_past(held_s, lease_s, PUBLISH_BY) or not self._still_holds(slot)
         ):
@@ -668,17 +676,7 @@ class Publisher:
                 if held_past(held_s, job.options.lease_ttl, PUBLISH_BY):
                     raise _StaleClaim(held_s)
                 may_have_written = True  # from here on the message may reach the broker
-                send_slot(
-                    self._app,
-                    job.entry,
-                    job=job.name,
-                    slot_ms=slot.slot_ms,
-                    token=claim.token,
-                    task_id=slot.task_id,
-                    producer=producer,
-                    expires=job.expires(slot.slot_ms),
-                    retry=False,
-                )
+                self._send_message(slot, producer)
                 return
             except _StaleClaim:
                 raise
@@ -689,8 +687,7 @@ class Publisher:
                 self._drop_producer()
                 in_doubt = outcome == IN_DOUBT
                 if in_doubt or attempt == PUBLISH_ATTEMPTS:
-                    self._pause_reason = repr(exc)
-                    self._paused_until = time.monotonic() + PUBLISH_PAUSE
+                    self._pause(exc)
                     if in_doubt:
                         raise _PublishInDoubt(exc) from exc
                     raise
@@ -709,19 +706,4 @@ class Publisher:
         False when the backend does not answer. (A batch gives back what it
         could not send by :data:`GIVE_BACK_SHARE` of the lease, so this is
         asked only of a send that stalled on its own.)"""
-        backend = self._link.lease_backend
-        if backend is None:  # claim-only: no lease to lose
-            return True
-        assert slot.claim is not None
-        claims: list[Claim] = [slot.claim]
-        margin_ms = _ms(slot.job.options.lease_ttl / 10)
-        try:
-            answers = backend.holding(claims, margin_ms)
-        except BackendUnavailable as exc:
-            self._link.on_outage(exc)
-        except Exception:
-            logger.exception("anarchon: reading the leases of %d claim(s) failed", len(claims))
-        else:
-            if len(answers) == len(claims):
-                return answers[0]
-        return False
+        return self._still_hold([slot])[0]
