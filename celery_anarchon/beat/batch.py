@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import logging
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -46,8 +45,6 @@ __all__ = [
     "UNSENT",
     "publish_failure",
 ]
-
-logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
