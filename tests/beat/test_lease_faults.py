@@ -67,7 +67,10 @@ def start_with_victim(run: FaultRun, delay_s: float) -> tuple[object, int]:
     run.start(2, worker=False)
     time.sleep(3.0)
     victim = run.cluster.start(1, conf={SEND_DELAY: delay_s})[0]
-    assert run.cluster.wait_ticking([victim]), run.cluster.logs()
+    # Set-up, not the check: the victim's first tick sleeps delay_s for each
+    # won slot and, on a loaded CI machine, has run past 30 s (2 of 3 clean
+    # runs after the batched send path; not yet explained, see issue 14).
+    assert run.cluster.wait_ticking([victim], timeout=90), run.cluster.logs()
     return victim, int(time.time() + HEARTBEAT_INTERVAL + 1) * 1000
 
 
