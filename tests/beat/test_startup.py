@@ -156,3 +156,27 @@ def test_a_postgresql_role_that_does_not_exist_stops_beat_at_start_up(tmp_path: 
         Scheduler(app)
     assert f'role "{role}" does not exist' in str(err.value)
     assert "s3cret" not in str(err.value)
+
+
+@pytest.mark.parametrize("good", [True, False], ids=["set-up done", "set-up refused"])
+@pytest.mark.parametrize("enabled", [True, False], ids=["collector on", "collector off"])
+def test_set_up_leaves_the_garbage_collector_as_it_found_it(
+    tmp_path: Path, every_second: dict[str, Any], good: bool, enabled: bool
+) -> None:
+    """Set-up turns the cyclic collector off while it builds the jobs; it
+    must come back on, or stay off, as it was, also when set-up fails."""
+    import gc
+
+    schedule = every_second if good else {"j": {"task": "proj.j", "schedule": "not cron"}}
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        if good:
+            s = Scheduler(sqlite_app(tmp_path, schedule))
+            s.close()
+        else:
+            with pytest.raises(ConfigurationError):
+                Scheduler(sqlite_app(tmp_path, schedule))
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
