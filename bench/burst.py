@@ -16,13 +16,18 @@ Each configuration runs ``celery -A bench.bench_app beat`` processes:
 ``--jobs`` jobs run every ``--period`` seconds, all due at the same instants
 (anarchon: intervals anchored on the epoch; Celery and redbeat: their
 ``last_run_at`` set one period before the first measured slot ``S``). The
-benchmark waits until every process finished set-up, empties the queue
-shortly before ``S``, then polls the queue length every 5 ms: a round's
-lateness is the time from its slot to the moment the queue held all of its
-messages (also when it held 50 %, 90 %, 99 %). CPU seconds are read from
-``/proc`` for every beat process over the measured rounds. Afterwards every
-message is read back: for anarchon, each ``(anarchon_job, anarchon_slot)``
-of the measured rounds must appear exactly once.
+benchmark waits until every process finished set-up; from then a reader
+(:mod:`bench.arrivals`) takes every message off the queue as it arrives, in
+batches, and stamps it with the time it was read. What it read before
+``S`` minus 1.5 s is dropped. A message's lateness is its read time minus
+its round's slot, and a round's is the time from its slot to the read of
+its last message (also of its 50 %, 90 %, 99 % message). CPU seconds are
+read from ``/proc`` for every beat process over the measured rounds. Every
+message read is checked: for anarchon, each ``(anarchon_job,
+anarchon_slot)`` of the measured rounds must appear exactly once.
+
+Celery's broker is Redis, or for ``anarchon-<backend>-<n>-amqp`` a RabbitMQ
+vhost of the run's own (``-amqp-confirm``: with ``confirm_publish``).
 
 Configurations run interleaved, repeat after repeat, so that every figure of
 a repeat was measured under the same load. Everything the run creates (the
@@ -54,6 +59,7 @@ from typing import Any
 import redis
 
 from . import common
+from .arrivals import Reader, reader_for
 from .common import log
 
 SCHEDULERS = {
@@ -82,6 +88,9 @@ class Config:
     backend: str | None = None
     instances: int = 1
     jitter: float | None = None
+    #: Celery's broker: ``redis``, ``amqp`` (RabbitMQ, publisher confirms
+    #: off) or ``amqp-confirm`` (``confirm_publish`` on).
+    broker: str = "redis"
 
     @property
     def label(self) -> str:
@@ -89,7 +98,12 @@ class Config:
             return f"publish floor x{self.instances}"
         if self.kind != "anarchon":
             return self.kind
-        return f"anarchon {self.backend} x{self.instances} jitter {self.jitter:g}"
+        on = "" if self.broker == "redis" else f", broker {BROKER_LABELS[self.broker]}"
+        return f"anarchon {self.backend} x{self.instances} jitter {self.jitter:g}{on}"
+
+
+#: Celery broker of a configuration, by its suffix.
+BROKER_LABELS = {"amqp": "RabbitMQ", "amqp-confirm": "RabbitMQ with confirms"}
 
 
 def parse_configs(text: str, jitters: Sequence[float]) -> list[Config]:
@@ -106,14 +120,22 @@ def parse_configs(text: str, jitters: Sequence[float]) -> list[Config]:
         if floor:
             configs.append(Config("publish", None, int(floor.group(1))))
             continue
-        match = re.fullmatch(r"anarchon-(\w+)-(\d+)", part)
+        match = re.fullmatch(r"anarchon-([a-z]+)-(\d+)(?:-(amqp|amqp-confirm))?", part)
         if not match or match.group(1) not in BACKENDS:
             raise ValueError(
                 f"unknown configuration {part!r}: use celery, redbeat or "
-                f"anarchon-<{'|'.join(BACKENDS)}>-<instances>"
+                f"anarchon-<{'|'.join(BACKENDS)}>-<instances>[-amqp|-amqp-confirm]"
             )
         for jitter in jitters:
-            configs.append(Config("anarchon", match.group(1), int(match.group(2)), jitter))
+            configs.append(
+                Config(
+                    "anarchon",
+                    match.group(1),
+                    int(match.group(2)),
+                    jitter,
+                    match.group(3) or "redis",
+                )
+            )
     return configs
 
 
@@ -163,6 +185,17 @@ def claim_backend(cfg: Config, tag: str) -> Iterator[str | None]:
         raise ValueError(cfg.backend)
 
 
+@contextlib.contextmanager
+def celery_broker(cfg: Config, tag: str) -> Iterator[str]:
+    """Celery's broker URL for ``cfg``: the Redis broker, or a RabbitMQ
+    vhost of this run's own, removed afterwards."""
+    if cfg.broker == "redis":
+        yield common.BROKER_URL
+        return
+    with common.rabbit_vhost(f"anarchon-bench-{tag}-broker") as vhost:
+        yield common.rabbit_url(vhost)
+
+
 @dataclass
 class Run:
     """The processes and names of one measured run."""
@@ -175,6 +208,10 @@ class Run:
     broker: redis.Redis
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     launched: float = 0.0
+    #: Celery's broker URL for the beats.
+    broker_url: str = common.BROKER_URL
+    #: Once started, what :meth:`length` counts: messages read so far.
+    reader: Reader | None = None
 
     def start(
         self, backend_url: str | None, first_slot: float, tag: str, args: argparse.Namespace
@@ -183,10 +220,12 @@ class Run:
         if self.cfg.jitter is not None:
             conf["anarchon_jitter"] = self.cfg.jitter
             conf["anarchon_max_late"] = args.max_late
+        if self.cfg.broker == "amqp-confirm":
+            conf["broker_transport_options"] = {"confirm_publish": True}
         env = {
             **os.environ,
             "BENCH_KIND": self.cfg.kind,
-            "BENCH_BROKER": common.BROKER_URL,
+            "BENCH_BROKER": self.broker_url,
             "BENCH_QUEUE": self.queue,
             "BENCH_JOBS": str(self.jobs),
             "BENCH_PERIOD": str(self.period),
@@ -268,18 +307,10 @@ class Run:
         )
 
     def length(self) -> int:
+        """Messages in the queue, or read from it once :attr:`reader` runs."""
+        if self.reader is not None:
+            return self.reader.count
         return int(self.broker.llen(self.queue))
-
-
-def read_headers(client: redis.Redis, queue: str) -> list[dict[str, Any]]:
-    """The headers of every message in ``queue`` (Celery's Redis transport
-    keeps a queue as a list of JSON envelopes)."""
-    found: list[dict[str, Any]] = []
-    total = int(client.llen(queue))
-    for start in range(0, total, 5000):
-        for raw in client.lrange(queue, start, start + 4999):
-            found.append(json.loads(raw).get("headers") or {})
-    return found
 
 
 def clean_broker(client: redis.Redis, queue: str) -> None:
@@ -330,15 +361,33 @@ def lateness(
     measured rounds, taking the queue as first in, first out by round (the
     ``n``-th message belongs to round ``n // jobs``): percentiles and how
     many arrived more than 2 s after their slot."""
+    late = late_seconds(timeline, slot, jobs, period, rounds)
+    if not late:
+        return {}
+    return {"messages": len(late), **common.lateness_stats(late)}
+
+
+def late_seconds(
+    timeline: Sequence[tuple[float, int]], slot: float, jobs: int, period: float, rounds: int
+) -> list[float]:
+    """Each message's seconds after its round's slot, in arrival order
+    (milliseconds kept: the figures' raw data)."""
     late: list[float] = []
     seen = 0
     for at, count in timeline:
         for n in range(seen, min(count, jobs * rounds)):
-            late.append(at - (slot + (n // jobs) * period))
+            late.append(round(at - (slot + (n // jobs) * period), 3))
         seen = max(seen, count)
-    if not late:
-        return {}
-    return {"messages": len(late), **common.lateness_stats(late)}
+    return late
+
+
+def arrival_timeline(reader: Reader) -> list[tuple[float, int]]:
+    """``(read time, messages read by then)`` at each read of ``reader``."""
+    timeline, total = [], 0
+    for at, items in reader.batches:
+        total += len(items)
+        timeline.append((at, total))
+    return timeline
 
 
 def choose_slot(run: Run, ready_at: float, fixed: float | None) -> float:
@@ -368,7 +417,8 @@ def measure(
     run = Run(cfg, jobs, period, folder, f"bench-{tag}", broker)
     result: dict[str, Any] = {"config": cfg.label, "jobs": jobs, "period": period}
     try:
-        with claim_backend(cfg, tag) as backend_url:
+        with claim_backend(cfg, tag) as backend_url, celery_broker(cfg, tag) as broker_url:
+            run.broker_url = broker_url
             fixed = None
             if cfg.kind != "anarchon":
                 allowance = args.setup_allowance
@@ -380,33 +430,42 @@ def measure(
             run.start(backend_url, fixed or 0.0, tag, args)
             startup = run.wait_ready(timeout=120 + jobs / 100)
             result["startup_s"] = startup
+            reader = run.reader = reader_for(broker_url, run.queue)
+            reader.start()
             slot = choose_slot(run, run.launched + startup, fixed)
             if time.time() > slot - LEAD_S:
                 result["error"] = f"set-up took {startup:.1f} s, past the first slot"
                 return result
             time.sleep(max(0.0, slot - LEAD_S - time.time()))
-            broker.delete(run.queue)
+            reader.reset()
             cpu0, servers0 = run.cpu(), common.server_cpu_seconds()
             spy = start_profile(run, profile_dir, period, cfg, index) if profile_dir else None
-            timeline, cpu_rounds = watch(run, slot, jobs, rounds, args.wait)
+            _, cpu_rounds = watch(run, slot, jobs, rounds, args.wait)
             cpu1, servers1 = run.cpu(), common.server_cpu_seconds()
             if spy is not None:
                 stop_profile(spy)
+            time.sleep(1.0)
+            run.stop()
+            reader.finish(quiet_s=1.0)
+            if reader.error is not None:
+                raise reader.error
+            timeline = arrival_timeline(reader)
             result.update(summarise(timeline, slot, jobs, period, rounds))
             result["lateness"] = lateness(timeline, slot, jobs, period, rounds)
+            result["late_s"] = late_seconds(timeline, slot, jobs, period, rounds)
             result["cpu_s"] = sum(cpu1) - sum(cpu0)
             # Redis is also the broker: its CPU counts the publishes of every
             # configuration; PostgreSQL's only the claims of its own.
             result["server_cpu_s"] = {
                 name: servers1[name] - servers0.get(name, 0.0)
                 for name in servers1
-                if name in ("redis", "postgresql") or name == cfg.backend
+                if name in ("redis", "postgresql")
+                or name == cfg.backend
+                or (name == "rabbitmq" and cfg.broker != "redis")
             }
             result["cpu_per_round_s"] = cpu_rounds
             result["cpu_by_process_s"] = [b - a for a, b in zip(cpu0, cpu1, strict=True)]
-            time.sleep(1.0)
-            run.stop()
-            headers = read_headers(broker, run.queue)
+            headers = [h for _, h in reader.messages()]
             result.update(verify(cfg, headers, slot, jobs, period, rounds))
             if cfg.kind == "anarchon":
                 result["sent_by_instance"] = sent_by_instance(folder, slot, period, rounds)
@@ -420,6 +479,8 @@ def measure(
         return result
     finally:
         run.stop()
+        if run.reader is not None and run.reader.is_alive():
+            run.reader.halt.set()
         clean_broker(broker, run.queue)
         broker.close()
         if cfg.kind == "redbeat":
@@ -696,7 +757,7 @@ def report(results: Sequence[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = [
         f"Burst: jobs every {args.period:g} s, all due together, {args.rounds} round(s) "
         f"measured, {args.repeats} repeat(s); seconds after the slot, median over repeats "
-        "(min-max). Broker: Redis.",
+        "(min-max). Celery's broker: Redis unless the configuration names RabbitMQ.",
         "",
         common.table(headers, rows),
     ]

@@ -47,83 +47,27 @@ import math
 import os
 import shutil
 import tempfile
-import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import redis
 
 from . import common
+from .arrivals import Reader
 from .burst import Config, Run, claim_backend, clean_broker, sent_by_instance, wait_for_launch
 from .common import log
 
-#: Poll period of the reader while the queue is empty, seconds.
-POLL_S = 0.005
-#: Messages per ``RPOP``.
-BATCH = 1000
 
-
-class Reader(threading.Thread):
-    """Drains ``queue`` continuously; ``batches`` holds ``(read time, raw
-    messages)`` (parsed after the run, so that the reader costs little CPU
-    while the instances send)."""
-
-    def __init__(self, url: str, queue: str) -> None:
-        super().__init__(daemon=True, name="steady-reader")
-        self.client = redis.Redis.from_url(url)
-        self.queue = queue
-        self.batches: list[tuple[float, list[bytes]]] = []
-        self.count = 0
-        self.halt = threading.Event()
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            while not self.halt.is_set():
-                if not self.read_once():
-                    time.sleep(POLL_S)
-        except BaseException as exc:  # reported by the benchmark
-            self.error = exc
-
-    def read_once(self) -> int:
-        items = self.client.rpop(self.queue, BATCH)
-        if not items:
-            return 0
-        self.batches.append((time.time(), items))
-        self.count += len(items)
-        return len(items)
-
-    def finish(self, quiet_s: float = 2.0, timeout: float = 60.0) -> None:
-        """Stop the thread, then read until the queue was empty ``quiet_s``."""
-        self.halt.set()
-        self.join(10)
-        deadline = time.monotonic() + timeout
-        empty_since = time.monotonic()
-        while time.monotonic() < deadline:
-            if self.read_once():
-                empty_since = time.monotonic()
-            elif time.monotonic() - empty_since > quiet_s:
-                break
-            else:
-                time.sleep(0.05)
-        self.client.close()
-
-
-def parse(batches: Iterable[tuple[float, Sequence[bytes]]]) -> list[tuple[str, int, float]]:
+def parse(reader: Reader) -> list[tuple[str, int, float]]:
     """``(anarchon_job, anarchon_slot ms, read time)`` of every message
-    (Celery's Redis transport stores a JSON envelope with the headers);
-    messages without those headers get job ``""`` and slot 0."""
-    out = []
-    for at, items in batches:
-        for raw in items:
-            headers = json.loads(raw).get("headers") or {}
-            out.append(
-                (str(headers.get("anarchon_job") or ""), int(headers.get("anarchon_slot") or 0), at)
-            )
-    return out
+    ``reader`` read; messages without those headers get job ``""`` and slot 0."""
+    return [
+        (str(h.get("anarchon_job") or ""), int(h.get("anarchon_slot") or 0), at)
+        for at, h in reader.messages()
+    ]
 
 
 def attribute(
@@ -263,7 +207,7 @@ def measure(args: argparse.Namespace, index: int) -> dict[str, Any]:
             run.stop()
             reader.finish()
             result["load_after"] = os.getloadavg()
-            messages = parse(reader.batches)
+            messages = parse(reader)
             result["messages_total"] = len(messages)
             slots_ms = [int(round(s * 1000)) for s in [*backlog, *rounds]]
             rows = attribute(messages, names, slots_ms, period)
