@@ -171,7 +171,7 @@ class Probe:
 def has_clock(backend: Backend) -> bool:
     """True when the backend judges time by a clock of its own (Redis
     ``TIME``, the database's clock); SQLite and RabbitMQ use each host's."""
-    return backend.supports_leases and getattr(backend, "kind", None) != "sqlite"
+    return backend.supports_leases and backend.kind != "sqlite"
 
 
 def probe_backend(backend: Backend) -> Probe:
@@ -338,7 +338,7 @@ def _check_backend(
             check_backend_supports(backend, settings, job)
         except ConfigurationError as exc:
             result.problem(f"beat_schedule[{job.name!r}]", str(exc))
-    if getattr(backend, "kind", None) == "sqlite":
+    if backend.kind == "sqlite":
         result.warnings.append(
             f"claims are kept in a local SQLite file ({backend.describe()}): instances on "
             "other hosts do not see them. To run beat on several hosts, set anarchon_backend "

@@ -357,6 +357,10 @@ class Backend(abc.ABC):
     #: query parameters); anything else is a ConfigurationError.
     options: ClassVar[frozenset[str]] = frozenset()
 
+    #: The store: ``"redis"``, ``"postgresql"``, ``"mysql"``, ``"sqlite"`` or
+    #: ``"rabbitmq"`` (empty for a backend of a user's own).
+    kind: str = ""
+
     instance: str
 
     def __init__(

@@ -434,6 +434,11 @@ def test_describe_masks_credentials(backend_name: str, tmp_path: object) -> None
     assert "s3cret" not in backend_from_url(url, instance="x").describe()
 
 
+def test_kind_names_the_store(backend_name: str) -> None:
+    """``kind`` is what ``check`` and the clock rule read: the store's name."""
+    assert backend_from_url(UNREACHABLE[backend_name], instance="x").kind == backend_name
+
+
 # -- batched calls (the scheduler's chunks) --------------------------------
 
 

@@ -108,6 +108,8 @@ class RabbitMQBackend(RabbitMQHistory):
             reserved, a client that is not an AMQP connection.
     """
 
+    kind = "rabbitmq"
+
     options: ClassVar[frozenset[str]] = frozenset({"prefix", "slot_ttl", "confirm_timeout"})
 
     def __init__(

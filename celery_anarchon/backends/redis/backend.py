@@ -118,6 +118,8 @@ class RedisBackend(RedisRegistry):
             ``anarchon_allow_eviction`` setting), default False.
     """
 
+    kind = "redis"
+
     supports_leases: ClassVar[bool] = True
     options: ClassVar[frozenset[str]] = frozenset(
         {"prefix", "socket_timeout", "master_name", "allow_eviction"}
