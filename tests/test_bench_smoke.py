@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import burst, claims, footprint, misses, profile, scale, steady
+from bench import burst, claims, figures, footprint, misses, profile, scale, steady
 
 from .conftest import require_service
 
@@ -66,6 +66,31 @@ def test_burst_smoke(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None
     anarchon = next(r for r in results if r["config"].startswith("anarchon"))
     assert anarchon["exactly_once"], anarchon
     assert anarchon["duplicates"] == 0
+    assert len(anarchon["late_s"]) == 20  # a lateness per message read
+
+
+@pytest.mark.integration
+def test_burst_on_a_rabbitmq_broker_with_confirms(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The beats publish to a RabbitMQ vhost of the run's own, the reader
+    consumes every message there, and the figures are drawn from the run."""
+    require_service("redis")
+    require_service("rabbitmq")
+    out = tmp_path / "burst.json"
+    args = ["--jobs", "20", "--period", "4", "--max-late", "3", "--rounds", "1"]
+    args += ["--repeats", "1", "--wait", "10", "--jitters", "1", "--json", str(out)]
+    args += ["--configs", "anarchon-redis-2-amqp-confirm"]
+    assert burst.main(args) == 0
+    assert "broker RabbitMQ with confirms | 20 |" in capsys.readouterr().out
+    [result] = json.loads(out.read_text())
+    assert "error" not in result, result
+    assert result["exactly_once"] and result["duplicates"] == 0, result
+    assert sum(result["sent_by_instance"]) == 20
+    drawn = tmp_path / "figures"
+    assert figures.main([str(out), "--out", str(drawn), "--jobs", "20"]) == 0
+    for name in ("lateness.png", "round-vs-jobs.png"):
+        assert (drawn / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.integration
@@ -142,9 +167,9 @@ def test_footprint_smoke(capsys: pytest.CaptureFixture[str]) -> None:
 def test_profile_summary(tmp_path: Path) -> None:
     raw = tmp_path / "p.txt"
     raw.write_text(
-        "main (celery/beat.py:1);tick (celery_anarchon/scheduler.py:2);"
-        "_claim (celery_anarchon/scheduler.py:3);recv (socket.py:4) 30\n"
-        "main (celery/beat.py:1);tick (celery_anarchon/scheduler.py:2) 10\n"
+        "main (celery/beat.py:1);Scheduler.tick (celery_anarchon/beat/scheduler.py:2);"
+        "Claimer.claim (celery_anarchon/beat/claiming.py:3);recv (socket.py:4) 30\n"
+        "main (celery/beat.py:1);Scheduler.tick (celery_anarchon/beat/scheduler.py:2) 10\n"
     )
     text = profile.summarise(raw)
     assert "| claim batch (backend.claim) | 30 | 75.0 | 100 |" in text

@@ -302,15 +302,7 @@ class Publisher:
                 self._writer.reset()
                 self._drop_producer()
             for slot in stale:
-                logger.warning(
-                    "anarchon: %s @ %s held %.1fs of a %.0fs lease before its send; not sent "
-                    "by this instance (left to a backup)",
-                    slot.job.name,
-                    _iso(slot.slot_ms),
-                    self._clock() - claimed_at,
-                    lease_s,
-                )
-                self._on_send_failed(slot, TimeoutError("lease ended"))
+                self._leave_to_backup(slot, self._clock() - claimed_at, "before its send")
             stale_ids = {id(slot) for slot in stale}
             untried = [
                 slot
@@ -342,8 +334,13 @@ class Publisher:
 
     def _publish_one(self, slot: Slot, producer: Any) -> None:
         """The batch writer's publish: one won slot's message on ``producer``."""
-        job = slot.job
         self._take_for_send(slot)
+        self._send_declaring_once(slot, producer)
+
+    def _send_declaring_once(self, slot: Slot, producer: Any) -> None:
+        """:meth:`_send_message`, with the message's queue declared only by
+        the first message of its route on this connection."""
+        job = slot.job
         # Celery declares a message's queue before each publish (kombu copies
         # and binds the queue each time, a fifth of a batch's CPU): once per
         # route and connection is enough, the messages are the same. Only
@@ -466,28 +463,12 @@ class Publisher:
             # The lease has (nearly) ended: a backup may be taking the slot
             # over now. Publishing would risk a second publish; leave the
             # slot to the backup, recorded lost later if none sent it.
-            logger.warning(
-                "anarchon: %s @ %s held %.1fs of a %.0fs lease before its send; not sent "
-                "by this instance (left to a backup)",
-                job.name,
-                _iso(slot.slot_ms),
-                held_s,
-                lease_s,
-            )
-            self._on_send_failed(slot, TimeoutError("lease ended"))
+            self._leave_to_backup(slot, held_s, "before its send")
             return
         try:
             self._publish(slot, claimed_at)
         except _StaleClaim as exc:
-            logger.warning(
-                "anarchon: %s @ %s held %.1fs of a %.0fs lease when its publish was due; "
-                "not sent by this instance (left to a backup)",
-                job.name,
-                _iso(slot.slot_ms),
-                exc.held_s,
-                lease_s,
-            )
-            self._on_send_failed(slot, TimeoutError("lease ended"))
+            self._leave_to_backup(slot, exc.held_s, "when its publish was due")
             return
         except _PublishInDoubt as exc:
             self._metrics.send_failed(job.name)
@@ -511,6 +492,21 @@ class Publisher:
             self._instance_id,
         )
         self._journal.record_sent(slot)
+
+    def _leave_to_backup(self, slot: Slot, held_s: float, when: str) -> None:
+        """Not send ``slot``: its claim was held (nearly) as long as its
+        lease, so a backup may be taking it over now; a second publish is
+        the risk. Recorded lost later if no backup sent it."""
+        logger.warning(
+            "anarchon: %s @ %s held %.1fs of a %.0fs lease %s; not sent "
+            "by this instance (left to a backup)",
+            slot.job.name,
+            _iso(slot.slot_ms),
+            held_s,
+            slot.job.options.lease_ttl,
+            when,
+        )
+        self._on_send_failed(slot, TimeoutError("lease ended"))
 
     def _on_send_failed(self, slot: Slot, exc: BaseException) -> None:
         """Sending a won slot failed (this instance cannot reach Celery's
@@ -676,7 +672,7 @@ class Publisher:
                 if held_past(held_s, job.options.lease_ttl, PUBLISH_BY):
                     raise _StaleClaim(held_s)
                 may_have_written = True  # from here on the message may reach the broker
-                self._send_message(slot, producer)
+                self._send_declaring_once(slot, producer)
                 return
             except _StaleClaim:
                 raise

@@ -379,3 +379,34 @@ def test_args_the_task_does_not_take_fail_their_own_slot_only(broker_queue: str)
         assert queued_slots(broker_queue) == [int(now * 1000)]
     finally:
         s.close()
+
+
+def test_message_by_message_a_route_is_declared_once_per_connection(
+    t0: float, tmp_path: Path
+) -> None:
+    """Off the batch path (here the in-memory transport) the first message
+    of a route declares its queue and the others of that connection do not:
+    Celery's ``maybe_declare`` before every publish copies and binds the
+    queue each time. The messages are the same."""
+    from kombu.messaging import Producer
+
+    schedule = {f"j{i}": {"task": "proj.j", "schedule": 1.0} for i in range(5)}
+    app = sqlite_app(tmp_path, schedule, anarchon_max_late=0.5)
+    declared: list[Any] = []
+    original = Producer.maybe_declare
+
+    def spy(self: Any, entity: Any, *args: Any, **kwargs: Any) -> Any:
+        declared.append(entity)
+        return original(self, entity, *args, **kwargs)
+
+    clock = Clock(t0 + 0.5)
+    s = Scheduler(app, clock=clock)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Producer, "maybe_declare", spy)
+            clock.now = t0 + 1.0
+            s.tick()
+        assert sorted(h["anarchon_job"] for h in sent_messages(app)) == [f"j{i}" for i in range(5)]
+        assert [getattr(e, "name", None) for e in declared] == [app.conf.task_default_queue]
+    finally:
+        s.close()
