@@ -149,11 +149,14 @@ class Agenda:
         if job.next_slot_ms is not None:
             self.push(job.next_slot_ms, Slot(job, job.next_slot_ms, DUE))
 
-    def pop_due(self, now_ms: int) -> list[Slot]:
-        """The events due by ``now_ms``, in order; a stale ``DUE`` (the job
-        moved on) is dropped."""
-        due = []
+    def pop_due(self, now_ms: int, most: int | None = None) -> list[Slot]:
+        """The events due by ``now_ms``, in order, at most ``most`` of them
+        (None: all); the rest stay planned, in order. A stale ``DUE`` (the
+        job moved on) is dropped."""
+        due: list[Slot] = []
         while self._events and self._events[0][0] <= now_ms:
+            if most is not None and len(due) >= most:
+                break
             slot = heapq.heappop(self._events)[2]
             if slot.kind == DUE and slot.job.next_slot_ms != slot.slot_ms:
                 continue

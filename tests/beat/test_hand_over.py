@@ -222,7 +222,7 @@ def test_close_called_in_the_middle_of_a_tick_waits_for_the_tick_to_unwind(
     backend = s.backend
     seen: list[tuple[bool, bool]] = []
 
-    def closing_pop_due(now_ms: int) -> list[Slot]:  # the signal handler comes mid-tick
+    def closing_pop_due(now_ms: int, most: int | None = None) -> list[Slot]:  # mid-tick signal
         s.close()
         seen.append((s.closed, backend is not None and s.link.ready))
         return []

@@ -147,3 +147,30 @@ def test_catch_up_none_records_the_gap_as_missed(url: str) -> None:
         assert (ten[at(r, -730)], ten[at(r, -130)]) == (State.MISSED, State.MISSED)
     finally:
         s.close()
+
+
+def test_a_round_takes_at_most_its_share_of_the_due_events_in_order(
+    t0: float, tmp_path: Path
+) -> None:
+    """``pop_due(most=)`` takes the first due events in order and leaves the
+    rest planned, so a large round does not move every due event through
+    the heap again for each claim batch."""
+    from celery_anarchon.beat.agenda import CLAIM, Slot
+
+    schedule = {f"j{i}": {"task": "proj.j", "schedule": 3600.0} for i in range(5)}
+    s = Scheduler(sqlite_app(tmp_path, schedule), clock=Clock(t0))
+    try:
+        agenda = s.agenda
+        while agenda.pop_due(2**62):  # empty the planned first slots
+            pass
+        base = int(t0 * 1000)
+        for i, name in enumerate(sorted(s.jobs)):
+            agenda.push(base + i, Slot(s.jobs[name], base + i, CLAIM))
+        first = agenda.pop_due(base + 10, most=2)
+        assert [slot.slot_ms - base for slot in first] == [0, 1]
+        assert agenda.next_due_ms() == base + 2
+        rest = agenda.pop_due(base + 10, most=10)
+        assert [slot.slot_ms - base for slot in rest] == [2, 3, 4]
+        assert agenda.pop_due(base + 10) == []
+    finally:
+        s.close()
