@@ -62,13 +62,7 @@ def lateness_figure(runs: Sequence[dict[str, Any]], out: Path, jobs: int) -> Pat
     ax.set_xlabel("seconds after the slot (log scale above 1 s)")
     ax.set_ylabel("messages in the broker (%)")
     ax.set_title(f"{jobs:,} jobs due together: when each message reached the broker")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
-    path = out / "lateness.png"
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, out / "lateness.png")
 
 
 def round_figure(runs: Sequence[dict[str, Any]], out: Path) -> Path | None:
@@ -94,10 +88,16 @@ def round_figure(runs: Sequence[dict[str, Any]], out: Path) -> Path | None:
     ax.set_xlabel("jobs due together")
     ax.set_ylabel("slot to last message of the round (s)")
     ax.set_title("Round time against job count (median, min-max)")
+    return _finish(fig, ax, out / "round-vs-jobs.png")
+
+
+def _finish(fig: Any, ax: Any, path: Path) -> Path:
+    """Grid, legend to the right, write ``path``, free the figure."""
+    import matplotlib.pyplot as plt
+
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
-    path = out / "round-vs-jobs.png"
     fig.savefig(path)
     plt.close(fig)
     return path
