@@ -58,6 +58,7 @@ class Reader(threading.Thread):
         self.halt = threading.Event()
         self.error: BaseException | None = None
         self._lock = threading.Lock()
+        self._generation = 0
         self.client = redis.Redis.from_url(url)
 
     def run(self) -> None:
@@ -69,20 +70,26 @@ class Reader(threading.Thread):
             self.error = exc
 
     def read_once(self) -> int:
+        generation = self._generation
         items = self.client.rpop(self.queue, BATCH)
         if not items:
             return 0
-        self._keep(time.time(), list(items))
+        self._keep(time.time(), list(items), generation)
         return len(items)
 
-    def _keep(self, at: float, items: list[Any]) -> None:
+    def _keep(self, at: float, items: list[Any], generation: int) -> None:
+        """Keep a read, unless :meth:`reset` came while it was in flight."""
         with self._lock:
+            if generation != self._generation:
+                return
             self.batches.append((at, items))
             self.count += len(items)
 
     def reset(self) -> None:
-        """Forget what was read so far (earlier rounds, a start-up catch-up)."""
+        """Forget what was read so far (earlier rounds, a start-up catch-up),
+        a read in flight included."""
         with self._lock:
+            self._generation += 1
             self.batches, self.count = [], 0
 
     def messages(self) -> Iterator[tuple[float, dict[str, Any]]]:
@@ -128,6 +135,7 @@ class AmqpReader(Reader):
         self.halt = threading.Event()
         self.error = None
         self._lock = threading.Lock()
+        self._generation = 0
         parts = url_to_parts(url)
         self.connection = amqp.Connection(
             f"{parts.hostname or '127.0.0.1'}:{parts.port or 5672}",
@@ -141,7 +149,8 @@ class AmqpReader(Reader):
         self.channel.basic_consume(queue, callback=self._delivered, no_ack=True)
 
     def _delivered(self, message: Any) -> None:
-        self._keep(time.time(), [message.properties.get("application_headers") or {}])
+        headers = message.properties.get("application_headers") or {}
+        self._keep(time.time(), [headers], self._generation)
 
     def read_once(self) -> int:
         before = self.count

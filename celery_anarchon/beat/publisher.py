@@ -23,6 +23,7 @@ from ..backends.base import Claim, State
 from ..exceptions import BackendUnavailable
 from ..message import send_slot, task_id_for
 from ..metrics import Metrics
+from ..model import Job
 from ..times import iso as _iso
 from ..times import ms as _ms
 from .agenda import SEND_FAILED, Agenda, Slot
@@ -302,7 +303,7 @@ class Publisher:
                 self._writer.reset()
                 self._drop_producer()
             for slot in stale:
-                self._leave_to_backup(slot, self._clock() - claimed_at, "before its send")
+                self._leave_to_backup(slot, self._clock() - claimed_at, lease_s, "before its send")
             stale_ids = {id(slot) for slot in stale}
             untried = [
                 slot
@@ -349,7 +350,7 @@ class Publisher:
         # or is deleted when unused: the broker may drop it between sends).
         if self._declared_on is not producer.connection:
             self._declared_on, self._declared = producer.connection, set()
-        options = job.entry.options or {}
+        options = self._route_options(job)
         route = (
             job.entry.task,
             repr(options.get("queue")),
@@ -358,11 +359,23 @@ class Publisher:
         )
         declared = (
             route in self._declared
+            and "declare" not in options  # the entry's or task's own list is kept
             and not self._app.conf.task_routes
             and self._declaration_cached(options.get("queue"))
         )
         self._send_message(slot, producer, declare=[] if declared else None)
         self._declared.add(route)
+
+    def _route_options(self, job: Job) -> dict[str, Any]:
+        """The options ``apply_async`` routes ``job``'s message by: the
+        task's own (``@app.task(queue=...)``, as Celery's ``send_task``
+        merges them), then the entry's, which win."""
+        task = self._app.tasks.get(job.entry.task) if job.entry.task else None
+        get_exec_options = getattr(task, "_get_exec_options", None)
+        merged = dict(get_exec_options() or {}) if callable(get_exec_options) else {}
+        merged = {k: v for k, v in merged.items() if v is not None}
+        merged.update(job.entry.options or {})
+        return merged
 
     def _take_for_send(self, slot: Slot) -> None:
         """Give ``slot`` its task id and take it out of the held claims: from
@@ -463,12 +476,12 @@ class Publisher:
             # The lease has (nearly) ended: a backup may be taking the slot
             # over now. Publishing would risk a second publish; leave the
             # slot to the backup, recorded lost later if none sent it.
-            self._leave_to_backup(slot, held_s, "before its send")
+            self._leave_to_backup(slot, held_s, lease_s, "before its send")
             return
         try:
             self._publish(slot, claimed_at)
         except _StaleClaim as exc:
-            self._leave_to_backup(slot, exc.held_s, "when its publish was due")
+            self._leave_to_backup(slot, exc.held_s, lease_s, "when its publish was due")
             return
         except _PublishInDoubt as exc:
             self._metrics.send_failed(job.name)
@@ -493,17 +506,18 @@ class Publisher:
         )
         self._journal.record_sent(slot)
 
-    def _leave_to_backup(self, slot: Slot, held_s: float, when: str) -> None:
-        """Not send ``slot``: its claim was held (nearly) as long as its
-        lease, so a backup may be taking it over now; a second publish is
-        the risk. Recorded lost later if no backup sent it."""
+    def _leave_to_backup(self, slot: Slot, held_s: float, lease_s: float, when: str) -> None:
+        """Not send ``slot``: its claim was held (nearly) as long as
+        ``lease_s`` (the lease the send was judged by), so a backup may be
+        taking it over now; a second publish is the risk. Recorded lost
+        later if no backup sent it."""
         logger.warning(
             "anarchon: %s @ %s held %.1fs of a %.0fs lease %s; not sent "
             "by this instance (left to a backup)",
             slot.job.name,
             _iso(slot.slot_ms),
             held_s,
-            slot.job.options.lease_ttl,
+            lease_s,
             when,
         )
         self._on_send_failed(slot, TimeoutError("lease ended"))

@@ -184,7 +184,12 @@ class Scheduler(beat.Scheduler):
         the backend, never from ``last_run_at``.
         """
         now = self.app.now()
-        super().merge_inplace({key: {"last_run_at": now, **b[key]} for key in b})
+        merged = {}
+        for key in b:
+            fields = dict(b[key])  # as Celery's: a dict, a ScheduleEntry, pairs
+            fields.setdefault("last_run_at", now)
+            merged[key] = fields
+        super().merge_inplace(merged)
 
     def _set_up(self) -> None:
         # The jobs live as long as the process. While they are built, the

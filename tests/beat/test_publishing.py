@@ -410,3 +410,47 @@ def test_message_by_message_a_route_is_declared_once_per_connection(
         assert [getattr(e, "name", None) for e in declared] == [app.conf.task_default_queue]
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("case", ["task's auto-delete queue", "entry's own declare"])
+def test_a_queue_the_task_or_entry_routes_to_is_declared_as_celery_would(
+    t0: float, tmp_path: Path, case: str
+) -> None:
+    """Declare-once reads the route ``apply_async`` takes: a task's own
+    ``queue`` that is auto-delete (the broker drops it when its consumer
+    leaves) is declared before every message, and an entry's own
+    ``declare`` list is never replaced."""
+    from kombu import Queue
+    from kombu.messaging import Producer
+
+    options: dict[str, Any] = {}
+    if case == "entry's own declare":
+        options = {"declare": [Queue("aux")]}
+    schedule = {
+        f"j{i}": {"task": "proj.eph", "schedule": 1.0, "options": options} for i in range(3)
+    }
+    app = sqlite_app(tmp_path, schedule, anarchon_max_late=0.5)
+    app.conf.task_queues = [Queue(app.conf.task_default_queue), Queue("eph", auto_delete=True)]
+
+    @app.task(name="proj.eph", queue="eph" if case == "task's auto-delete queue" else None)
+    def eph() -> None:
+        """A task."""
+
+    declared: list[Any] = []
+    original = Producer.maybe_declare
+
+    def spy(self: Any, entity: Any, *args: Any, **kwargs: Any) -> Any:
+        declared.append(getattr(entity, "name", None))
+        return original(self, entity, *args, **kwargs)
+
+    clock = Clock(t0 + 0.5)
+    s = Scheduler(app, clock=clock)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Producer, "maybe_declare", spy)
+            clock.now = t0 + 1.0
+            s.tick()
+        want = "eph" if case == "task's auto-delete queue" else "aux"
+        assert declared == [want] * 3
+    finally:
+        s.close()

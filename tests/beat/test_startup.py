@@ -180,3 +180,24 @@ def test_set_up_leaves_the_garbage_collector_as_it_found_it(
         assert gc.isenabled() is enabled
     finally:
         (gc.enable if was else gc.disable)()
+
+
+@pytest.mark.parametrize("form", ["ScheduleEntry", "pairs"])
+def test_beat_schedule_values_celery_accepts_start_beat(tmp_path: Path, form: str) -> None:
+    """Celery's merge takes any value ``dict()`` takes (a ``ScheduleEntry``,
+    a list of pairs): so does beat, reading the clock once for all."""
+    from celery import beat
+
+    fields = {"task": "proj.j", "schedule": 60.0}
+    app = sqlite_app(tmp_path, {})
+    value: Any = (
+        beat.ScheduleEntry(name="j", app=app, **fields)
+        if form == "ScheduleEntry"
+        else list(fields.items())
+    )
+    app.conf.beat_schedule = {"j": value}
+    s = Scheduler(app)
+    try:
+        assert "j" in s.jobs and s.jobs["j"].entry.task == "proj.j"
+    finally:
+        s.close()
