@@ -309,7 +309,9 @@ def test_16_threads_and_3_processes_race_for_1000_slots_one_winner_each(
     assert len(records) == count
     assert {r.slot_ms: r.instance for r in records} == owner
     assert {r.token for r in records} == {1}
-    assert sum(1 for claims in won.values() if claims) > 3  # a real race, not one runner
+    # a real race, not one runner: at least two won slots (on a loaded CI
+    # machine the three processes can win every slot before a thread runs)
+    assert sum(1 for claims in won.values() if claims) >= 2
 
 
 # -- expiry and trimming -----------------------------------------------------
