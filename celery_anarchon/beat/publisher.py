@@ -207,7 +207,8 @@ class Publisher:
         #: the batched send path (Redis pipelines, AMQP publisher confirms)
         self._writer = BatchWriter(self._publish_one)
         #: routes (task, queue, exchange, routing key) whose queue was
-        #: declared on the connection ``_declared_on``
+        #: declared on the connection ``_declared_on`` and may stay so (kombu
+        #: caches it, no task_routes, no declare list of the route's own)
         self._declared: set[tuple[str, str, str, str]] = set()
         self._declared_on: Any = None
 
@@ -357,14 +358,15 @@ class Publisher:
             repr(options.get("exchange")),
             repr(options.get("routing_key")),
         )
-        declared = (
-            route in self._declared
+        declared = route in self._declared
+        self._send_message(slot, producer, declare=[] if declared else None)
+        if (
+            not declared
             and "declare" not in options  # the entry's or task's own list is kept
             and not self._app.conf.task_routes
             and self._declaration_cached(options.get("queue"))
-        )
-        self._send_message(slot, producer, declare=[] if declared else None)
-        self._declared.add(route)
+        ):
+            self._declared.add(route)  # later messages of the route skip the declare
 
     def _route_options(self, job: Job) -> dict[str, Any]:
         """The options ``apply_async`` routes ``job``'s message by: the
