@@ -381,22 +381,17 @@ def test_args_the_task_does_not_take_fail_their_own_slot_only(broker_queue: str)
         s.close()
 
 
-def test_message_by_message_a_route_is_declared_once_per_connection(
-    t0: float, tmp_path: Path
-) -> None:
-    """Off the batch path (here the in-memory transport) the first message
-    of a route declares its queue and the others of that connection do not:
-    Celery's ``maybe_declare`` before every publish copies and binds the
-    queue each time. The messages are the same."""
+def tick_once_declaring(app: Celery, t0: float) -> list[str | None]:
+    """Start a scheduler on ``app`` half a second before ``t0 + 1`` and run
+    the tick at ``t0 + 1``: the name of every entity kombu's
+    ``Producer.maybe_declare`` was asked to declare, in order."""
     from kombu.messaging import Producer
 
-    schedule = {f"j{i}": {"task": "proj.j", "schedule": 1.0} for i in range(5)}
-    app = sqlite_app(tmp_path, schedule, anarchon_max_late=0.5)
-    declared: list[Any] = []
+    declared: list[str | None] = []
     original = Producer.maybe_declare
 
     def spy(self: Any, entity: Any, *args: Any, **kwargs: Any) -> Any:
-        declared.append(entity)
+        declared.append(getattr(entity, "name", None))
         return original(self, entity, *args, **kwargs)
 
     clock = Clock(t0 + 0.5)
@@ -406,10 +401,23 @@ def test_message_by_message_a_route_is_declared_once_per_connection(
             patch.setattr(Producer, "maybe_declare", spy)
             clock.now = t0 + 1.0
             s.tick()
-        assert sorted(h["anarchon_job"] for h in sent_messages(app)) == [f"j{i}" for i in range(5)]
-        assert [getattr(e, "name", None) for e in declared] == [app.conf.task_default_queue]
     finally:
         s.close()
+    return declared
+
+
+def test_message_by_message_a_route_is_declared_once_per_connection(
+    t0: float, tmp_path: Path
+) -> None:
+    """Off the batch path (here the in-memory transport) the first message
+    of a route declares its queue and the others of that connection do not:
+    Celery's ``maybe_declare`` before every publish copies and binds the
+    queue each time. The messages are the same."""
+    schedule = {f"j{i}": {"task": "proj.j", "schedule": 1.0} for i in range(5)}
+    app = sqlite_app(tmp_path, schedule, anarchon_max_late=0.5)
+    declared = tick_once_declaring(app, t0)
+    assert sorted(h["anarchon_job"] for h in sent_messages(app)) == [f"j{i}" for i in range(5)]
+    assert declared == [app.conf.task_default_queue]
 
 
 @pytest.mark.parametrize("case", ["task's auto-delete queue", "entry's own declare"])
@@ -421,7 +429,6 @@ def test_a_queue_the_task_or_entry_routes_to_is_declared_as_celery_would(
     leaves) is declared before every message, and an entry's own
     ``declare`` list is never replaced."""
     from kombu import Queue
-    from kombu.messaging import Producer
 
     options: dict[str, Any] = {}
     if case == "entry's own declare":
@@ -436,21 +443,5 @@ def test_a_queue_the_task_or_entry_routes_to_is_declared_as_celery_would(
     def eph() -> None:
         """A task."""
 
-    declared: list[Any] = []
-    original = Producer.maybe_declare
-
-    def spy(self: Any, entity: Any, *args: Any, **kwargs: Any) -> Any:
-        declared.append(getattr(entity, "name", None))
-        return original(self, entity, *args, **kwargs)
-
-    clock = Clock(t0 + 0.5)
-    s = Scheduler(app, clock=clock)
-    try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(Producer, "maybe_declare", spy)
-            clock.now = t0 + 1.0
-            s.tick()
-        want = "eph" if case == "task's auto-delete queue" else "aux"
-        assert declared == [want] * 3
-    finally:
-        s.close()
+    want = "eph" if case == "task's auto-delete queue" else "aux"
+    assert tick_once_declaring(app, t0) == [want] * 3
