@@ -59,7 +59,11 @@ class Reader(threading.Thread):
         self.error: BaseException | None = None
         self._lock = threading.Lock()
         self._generation = 0
-        self.client = redis.Redis.from_url(url)
+        self._open()
+
+    def _open(self) -> None:
+        """Connect to the broker (before the thread starts)."""
+        self.client = redis.Redis.from_url(self.url)
 
     def run(self) -> None:
         try:
@@ -124,19 +128,11 @@ class AmqpReader(Reader):
     delivery is stamped as py-amqp hands it over, ``batches`` holding one
     ``(read time, [headers])`` per delivery."""
 
-    def __init__(self, url: str, queue: str) -> None:
+    def _open(self) -> None:
         import amqp
         from kombu.utils.url import url_to_parts
 
-        threading.Thread.__init__(self, daemon=True, name="bench-amqp-reader")
-        self.url, self.queue = url, queue
-        self.batches = []
-        self.count = 0
-        self.halt = threading.Event()
-        self.error = None
-        self._lock = threading.Lock()
-        self._generation = 0
-        parts = url_to_parts(url)
+        parts = url_to_parts(self.url)
         self.connection = amqp.Connection(
             f"{parts.hostname or '127.0.0.1'}:{parts.port or 5672}",
             userid=parts.username or "guest",
@@ -145,8 +141,8 @@ class AmqpReader(Reader):
         )
         self.connection.connect()
         self.channel = self.connection.channel()
-        self.channel.queue_declare(queue, durable=True, auto_delete=False)
-        self.channel.basic_consume(queue, callback=self._delivered, no_ack=True)
+        self.channel.queue_declare(self.queue, durable=True, auto_delete=False)
+        self.channel.basic_consume(self.queue, callback=self._delivered, no_ack=True)
 
     def _delivered(self, message: Any) -> None:
         headers = message.properties.get("application_headers") or {}
