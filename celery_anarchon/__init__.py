@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 
-__all__ = ["Scheduler", "cron", "__version__"]
+__all__ = ["Scheduler", "Schedules", "cron", "__version__"]
 
 if TYPE_CHECKING:
     from .beat.scheduler import Scheduler
+    from .schedules import Schedules
     from .slots import cron
 
 
@@ -25,6 +26,10 @@ def __getattr__(name: str) -> Any:
         from .beat.scheduler import Scheduler
 
         return Scheduler
+    if name == "Schedules":
+        from .schedules import Schedules
+
+        return Schedules
     if name == "cron":
         from .slots import cron
 

@@ -26,7 +26,8 @@ from .backends.base import ClaimRequest
 from .exceptions import ConfigurationError
 from .message import expires_for
 from .settings import JobOptions, Settings
-from .slots import Slots, cron, oneoff, slots_for
+from .slots import BoundedSlots, Slots, cron, oneoff, slots_for
+from .stored import Pause, StoredJob, stored_where
 from .times import ms as _ms
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "Job",
     "app_zone",
     "build_jobs",
+    "job_from_stored",
     "missing_key",
 ]
 
@@ -184,6 +186,12 @@ class Job:
         definition: a stable text of its definition (same on every host that
             runs the same schedule), for drift detection.
         next_slot_ms: the next slot to act on, epoch ms, or None when done.
+        source: ``"code"`` (``beat_schedule``) or ``"stored"`` (in the
+            backend, docs/runtime-schedules.md).
+        version: a stored job's version (the change counter), else 0.
+        pause: its pause state, when it was ever paused (code or stored).
+        retired_ms: set once an update or a removal replaced this job:
+            its slots at or after this (epoch ms) are no longer claimed.
     """
 
     name: str
@@ -192,6 +200,19 @@ class Job:
     options: JobOptions
     definition: str
     next_slot_ms: int | None = None
+    source: str = "code"
+    version: int = 0
+    pause: Pause | None = None
+    retired_ms: int | None = None
+
+    def paused_at(self, slot_ms: int) -> bool:
+        """Whether the slot at ``slot_ms`` falls in the job's pause."""
+        return self.pause is not None and self.pause.covers(slot_ms)
+
+    def retired_at(self, slot_ms: int) -> bool:
+        """Whether the slot at ``slot_ms`` belongs to a definition that
+        was replaced or removed before it."""
+        return self.retired_ms is not None and slot_ms >= self.retired_ms
 
     def deadline_ms(self, slot_ms: int) -> int:
         """The last instant ``slot_ms`` may still be sent: ``slot + max_late``,
@@ -285,3 +306,25 @@ def build_jobs(
         )
         jobs[name] = Job(name, entry, slots, options, hashlib.sha1(text.encode()).hexdigest()[:12])
     return jobs
+
+
+def job_from_stored(stored: StoredJob, app: Any, settings: Settings, zone: ZoneInfo) -> Job:
+    """The :class:`Job` of a stored job, validated as a ``beat_schedule``
+    entry is; its slots start at the stored job's effective time
+    (:attr:`StoredJob.effective_ms`), the same on every instance.
+
+    Raises:
+        ConfigurationError: as :func:`build_jobs`, naming the stored job.
+    """
+    name = stored.name
+    try:
+        entry = Entry(**dict(stored.definition.entry_fields(), name=name, app=app))
+        job = build_jobs({name: entry}, settings, zone)[name]
+    except ConfigurationError as exc:
+        raise ConfigurationError(
+            str(exc).replace(f"beat_schedule[{name!r}]", stored_where(name))
+        ) from None
+    job.slots = BoundedSlots(job.slots, stored.effective_ms)
+    job.source = "stored"
+    job.version = stored.version
+    return job

@@ -57,6 +57,7 @@ __all__ = [
     "CronSlots",
     "SolarSlots",
     "OneoffSlots",
+    "BoundedSlots",
     "cron",
     "oneoff",
     "slots_for",
@@ -172,6 +173,30 @@ class OneoffSlots:
     def describe(self) -> str:
         """``once at 2026-06-01T12:00:00Z``."""
         return f"once at {iso(self.at_ms, exact=True)}"
+
+
+class BoundedSlots:
+    """Another schedule's slots from ``start_ms`` on: a stored job's
+    definition holds from the first slot at or after the instant it takes
+    effect (docs/runtime-schedules.md, "Slots across an update").
+
+    Args:
+        inner: the schedule's slots.
+        start_ms: the first instant a slot may have, epoch milliseconds (UTC).
+    """
+
+    def __init__(self, inner: Slots, start_ms: int) -> None:
+        self.inner = inner
+        self.start_ms = start_ms
+
+    def next_after(self, after_ms: int) -> int | None:
+        """The inner schedule's first slot after ``after_ms`` and at or
+        after ``start_ms`` (epoch ms UTC), or None."""
+        return self.inner.next_after(max(after_ms, self.start_ms - 1))
+
+    def describe(self) -> str:
+        """``every 60s from 1970-01-01T00:00:00Z, slots from 2027-01-01T00:00:01Z``."""
+        return f"{self.inner.describe()}, slots from {iso(self.start_ms, exact=True)}"
 
 
 class CronSlots:

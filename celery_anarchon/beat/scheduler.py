@@ -45,6 +45,7 @@ from .registry import (
     new_instance_id,
     registry_ttl,
 )
+from .stored import POLL_INTERVAL, StoredJobs
 from .takeover import TakeOver
 
 __all__ = ["TICK_BUDGET", "Scheduler"]
@@ -66,6 +67,10 @@ TICK_BUDGET = 1.0
 #: an instance's samples.
 ROUND_EVENTS = 3 * MAX_CLAIM_BATCH
 
+#: Events a pause or a replaced definition holds back (a slot already
+#: claimed goes on to be sent or recorded).
+HELD_KINDS = frozenset({DUE, CLAIM, CATCH_UP})
+
 
 class Scheduler(beat.Scheduler):
     """Celery beat scheduler that claims each slot once across instances.
@@ -78,7 +83,7 @@ class Scheduler(beat.Scheduler):
     The work is done by components built at set-up, each owning its state
     (docs/architecture.md): :attr:`link` (the backend), :attr:`agenda`,
     :attr:`claimer`, :attr:`publisher`, :attr:`journal`, :attr:`take_over`,
-    :attr:`overlap` and :attr:`registry`.
+    :attr:`overlap`, :attr:`registry` and :attr:`stored` (stored jobs).
 
     Args:
         app: the Celery app.
@@ -96,6 +101,7 @@ class Scheduler(beat.Scheduler):
 
     # The components, built by setup_schedule.
     agenda: Agenda
+    stored: StoredJobs
     claimer: Claimer
     journal: Journal
     overlap: Overlap
@@ -233,6 +239,7 @@ class Scheduler(beat.Scheduler):
         registry_ttl(self.app.conf)  # a bad anarchon_registry_ttl fails here, at start-up
         self._wire(settings)
         self.link.connect(strict=True)
+        self.stored.load()
         self.agenda.plan_first_slots()
         self._setup_done = True
 
@@ -277,6 +284,17 @@ class Scheduler(beat.Scheduler):
             self._random,
         )
         self.overlap = Overlap(link, self.journal, settings, metrics, clock)
+        self.stored = StoredJobs(
+            self.app,
+            settings,
+            app_zone(self.app),
+            self._jobs,
+            link,
+            self.agenda,
+            self.journal,
+            metrics,
+            clock,
+        )
         self._wired = True
 
     def _warn_if_local_only(self, settings: Settings) -> None:
@@ -330,6 +348,7 @@ class Scheduler(beat.Scheduler):
             self.registry.heartbeat(now, housekeep=not busy)
         if link.ready and self.journal.unrecorded:
             self.journal.record_after_outage()
+        self.stored.refresh()
         if self.journal.unmarked:
             self.journal.flush_marks()  # sent slots a backend blip left unrecorded
         # A job has one slot in the heap at a time, so after a stall or at
@@ -352,6 +371,8 @@ class Scheduler(beat.Scheduler):
             wait = min(wait, max((next_due - self._now_ms()) / 1000.0, 0.0))
         if self.journal.unmarked:  # retry recording them when the backend is retried
             wait = min(wait, max(self.link.retry_at - self._clock(), MARK_DELAY))
+        if self.stored.enabled:  # read the stored jobs' version at least this often
+            wait = min(wait, POLL_INTERVAL)
         return wait
 
     def _process(self, due: Sequence[Slot]) -> None:
@@ -368,8 +389,12 @@ class Scheduler(beat.Scheduler):
         candidates: list[Slot] = []
         take_overs: list[Slot] = []
         misses: list[tuple[Job, list[int], int]] = []  # recorded in one batch
+        stored = self.stored
         for slot in due:
             job, kind = slot.job, slot.kind
+            held = job.pause is not None or job.retired_ms is not None
+            if held and kind in HELD_KINDS and stored.held_back(slot):
+                continue
             late = now_ms > job.deadline_ms(slot.slot_ms)
             if kind == TAKE_OVER:
                 take_overs.append(slot)

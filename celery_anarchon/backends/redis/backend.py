@@ -15,7 +15,6 @@ from redis.sentinel import Sentinel
 from ...exceptions import ConfigurationError
 from ..base import AbsentRecord, Claim, ClaimRequest, State
 from .connection import _Client, _flag, _seconds, _wrong_type
-from .registry import RedisRegistry
 from .scripts import (
     CLAIM,
     EXTEND,
@@ -28,6 +27,7 @@ from .scripts import (
     _Call,
     _Script,
 )
+from .stored import RedisStored
 
 __all__ = ["RedisBackend"]
 
@@ -39,7 +39,7 @@ DEFAULT_HISTORY_TTL_MS = 7 * 24 * 3600 * 1000
 MANUAL_LEASE_MS = 60_000
 
 
-class RedisBackend(RedisRegistry):
+class RedisBackend(RedisStored):
     """Slots claimed in Redis, one Lua script per operation.
 
     Guarantees (Redis runs a script atomically, so no other command lands in

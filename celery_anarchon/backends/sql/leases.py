@@ -14,7 +14,7 @@ from sqlalchemy.engine import Connection
 from ..base import Claim, ClaimRequest, State
 from .dialects import _NOW_SQL, INSERT_CHUNK
 from .naming import key_of
-from .registry import SQLRegistry
+from .stored import SQLStored
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ _PG_COMMIT_GUARD = (
 )
 
 
-class SQLLeases(SQLRegistry):
+class SQLLeases(SQLStored):
     """Leases on ``<prefix>runs``: each claim's ``owner``, ``token`` and ``lease_until_ms``."""
 
     def _commit_by_deadline(

@@ -1,4 +1,4 @@
-"""Table and key naming of the SQL backend: the five tables under a prefix, and
+"""Table and key naming of the SQL backend: the six tables under a prefix, and
 the stored form of job names, manual keys and instance ids.
 """
 
@@ -92,6 +92,7 @@ class _Tables:
     instances: sa.Table
     schedules: sa.Table
     meta: sa.Table
+    stored: sa.Table
 
 
 def _ms(name: str, **kw: Any) -> sa.Column[int]:
@@ -154,7 +155,19 @@ def _tables(prefix: str) -> _Tables:
         sa.Column("value", sa.String(255), nullable=False),
         **opts,
     )
-    return _Tables(md, runs, manual, instances, schedules, meta)
+    stored = sa.Table(
+        f"{prefix}stored",
+        md,
+        sa.Column("kind", sa.String(8), primary_key=True),
+        sa.Column("name", _Key(), primary_key=True),
+        sa.Column("full_name", sa.Text, nullable=False),
+        sa.Column("body", sa.Text),
+        _ms("version", nullable=False),
+        _ms("committed_ms", nullable=False),
+        sa.UniqueConstraint("version", name=f"{prefix}stored_version"),
+        **opts,
+    )
+    return _Tables(md, runs, manual, instances, schedules, meta, stored)
 
 
 def _prefix(value: Any) -> str:

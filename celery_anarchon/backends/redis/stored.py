@@ -1,0 +1,151 @@
+"""Stored jobs in the Redis backend (docs/runtime-schedules.md).
+
+Three keys under the registry's hash tag ``{P}``, so Redis Cluster keeps
+them in one slot:
+
+* ``{P}:stored``: a hash, field ``<kind>:<name>``, value
+  ``<version>:<committed_ms>:B<body>`` (``R`` and no body once removed);
+* ``{P}:stored:log``: a sorted set of the same fields scored by version;
+* ``{P}:stored:version``: the change counter.
+
+A write is one script (:data:`LUA_WRITE_STORED_SCRIPT`): it checks the
+condition, takes the next version with ``INCR``, reads the server's
+``TIME`` and writes the hash and the log, so no reader ever sees one
+without the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..store import StoredJobsStore, StoredRecord
+from .registry import RedisRegistry
+from .scripts import _script
+
+__all__ = ["RedisStored"]
+
+LUA_WRITE_STORED_SCRIPT = """
+-- KEYS: hash, log, counter. ARGV: field, body ('' to remove),
+-- remove ('1'/'0'), exists ('1': must be there, '0': must not, '': either).
+local current = redis.call('HGET', KEYS[1], ARGV[1])
+local present = false
+if current then
+    local _, _, flag = string.find(current, '^%d+:%d+:(.)')
+    present = flag == 'B'
+end
+if (ARGV[4] == '1' and not present) or (ARGV[4] == '0' and present) then
+    return false
+end
+local version = redis.call('INCR', KEYS[3])
+local now = now_ms()
+local value = int(version) .. ':' .. int(now) .. ':'
+if ARGV[3] == '1' then value = value .. 'R' else value = value .. 'B' .. ARGV[2] end
+redis.call('HSET', KEYS[1], ARGV[1], value)
+redis.call('ZADD', KEYS[2], version, ARGV[1])
+return {version, now}
+"""
+
+LUA_STORED_CHANGES_SCRIPT = """
+-- KEYS: hash, log. ARGV: since. Flat {field, value, field, value, ...}.
+local fields = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. ARGV[1], '+inf')
+local out = {}
+local chunk = 1000
+for i = 1, #fields, chunk do
+    local part = {}
+    for j = i, math.min(i + chunk - 1, #fields) do part[#part + 1] = fields[j] end
+    local values = redis.call('HMGET', KEYS[1], unpack(part))
+    for j = 1, #part do
+        out[#out + 1] = part[j]
+        out[#out + 1] = values[j] or ''
+    end
+end
+return out
+"""
+
+WRITE_STORED = _script("write_stored", LUA_WRITE_STORED_SCRIPT)
+STORED_CHANGES = _script("stored_changes", LUA_STORED_CHANGES_SCRIPT)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else value
+
+
+def _record(field: bytes | str, value: bytes | str) -> StoredRecord | None:
+    """A record from its hash field and value; None for a value that is
+    not there (written by nobody this version knows)."""
+    kind, _, name = _text(field).partition(":")
+    text = _text(value)
+    version, _, rest = text.partition(":")
+    committed, _, rest = rest.partition(":")
+    if not version.isdigit() or not committed.isdigit() or rest[:1] not in ("B", "R"):
+        return None
+    body = rest[1:] if rest[:1] == "B" else None
+    return StoredRecord(kind, name, body, int(version), int(committed))
+
+
+class RedisStored(RedisRegistry, StoredJobsStore):
+    """Stored-job definitions and pause states in three keys (module docstring)."""
+
+    def _stored_keys(self) -> list[str]:
+        tag = "{" + self.prefix + "}"
+        return [f"{tag}:stored", f"{tag}:stored:log", f"{tag}:stored:version"]
+
+    def stored_version(self) -> int:
+        """The change counter (one ``GET``), 0 before any write.
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        with self._translated("GET stored version"):
+            value = self._require_client().get(self._stored_keys()[2])
+        return int(value) if value is not None else 0
+
+    def stored_changes(self, since: int = 0) -> list[StoredRecord]:
+        """Every record written after version ``since``, oldest first (one script).
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        flat = self._call((STORED_CHANGES, self._stored_keys()[:2], [since]))
+        records = []
+        for i in range(0, len(flat), 2):
+            record = _record(flat[i], flat[i + 1])
+            if record is not None:
+                records.append(record)
+        return records
+
+    def stored_records(self, names: Sequence[str], kind: str) -> dict[str, StoredRecord]:
+        """The current records of ``names`` of one ``kind`` (one ``HMGET``).
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        if not names:
+            return {}
+        fields = [f"{kind}:{name}" for name in names]
+        with self._translated("HMGET stored"):
+            values = self._require_client().hmget(self._stored_keys()[0], fields)
+        found = {}
+        for field, value in zip(fields, values, strict=True):
+            record = _record(field, value) if value is not None else None
+            if record is not None and record.body is not None:
+                found[record.name] = record
+        return found
+
+    def write_stored(
+        self, kind: str, name: str, body: str | None, *, exists: bool | None = None
+    ) -> StoredRecord | None:
+        """Write one record under the next version (one script, atomic).
+
+        Returns:
+            the record, or None when ``exists`` did not hold.
+        Raises:
+            BackendUnavailable: no answer (the script ran wholly or not at all).
+        """
+        condition = "" if exists is None else ("1" if exists else "0")
+        args = [f"{kind}:{name}", body or "", "1" if body is None else "0", condition]
+        reply = self._call((WRITE_STORED, self._stored_keys(), args))
+        if not reply:
+            return None
+        version, committed = reply
+        return StoredRecord(kind, name, body, int(version), int(committed))

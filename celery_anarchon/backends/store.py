@@ -1,0 +1,100 @@
+"""The stored-jobs store of a lease backend: definitions and pause states
+kept under one change counter (docs/runtime-schedules.md).
+
+Every write takes the next value of one counter, the *version*, in the same
+atomic step (a Lua script; a transaction holding the counter's row lock), so
+versions are unique and commit in order: a reader that has seen version
+``v`` learns every later change by asking for ``version > v``. A removal
+keeps a row without a body (a tombstone) so that readers learn of it too; a
+later add of the name reuses the row.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+__all__ = ["JOB", "PAUSE", "StoredRecord", "StoredJobsStore"]
+
+#: Kinds of stored records: a stored job's definition; a job's pause state
+#: (code or stored job).
+JOB, PAUSE = "job", "pause"
+
+
+@dataclass(frozen=True)
+class StoredRecord:
+    """One stored record as written or read.
+
+    Attributes:
+        kind: :data:`JOB` or :data:`PAUSE`.
+        name: the job's name.
+        body: its JSON text, or None once removed.
+        version: the change counter's value of its last write.
+        committed_ms: when that write committed, epoch ms (the backend's clock).
+    """
+
+    kind: str
+    name: str
+    body: str | None
+    version: int
+    committed_ms: int
+
+
+class StoredJobsStore(abc.ABC):
+    """What a backend that keeps stored jobs offers (SQL and Redis)."""
+
+    supports_stored_jobs: ClassVar[bool] = True
+
+    @abc.abstractmethod
+    def stored_version(self) -> int:
+        """The change counter, 0 before the first write: one GET (Redis) or
+        one primary-key SELECT (SQL), what each tick reads.
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+
+    @abc.abstractmethod
+    def stored_changes(self, since: int = 0) -> list[StoredRecord]:
+        """Every record written after version ``since``, oldest first
+        (``since=0``: all of them, tombstones included).
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+
+    @abc.abstractmethod
+    def write_stored(
+        self, kind: str, name: str, body: str | None, *, exists: bool | None = None
+    ) -> StoredRecord | None:
+        """Write one record (``body=None``: remove it) under the next version,
+        atomically.
+
+        Args:
+            kind: :data:`JOB` or :data:`PAUSE`.
+            name: the job's name.
+            body: the JSON text, or None to remove.
+            exists: True: write only if the record is there (with a body);
+                False: only if it is not; None: either way.
+        Returns:
+            the record written, or None when ``exists`` did not hold
+            (nothing was written).
+        Raises:
+            BackendUnavailable: no answer; nothing or everything was written
+                (a retry with the same ``exists`` tells which).
+        """
+
+    def stored_records(self, names: Sequence[str], kind: str) -> dict[str, StoredRecord]:
+        """The current records of ``names`` of one ``kind`` (tombstones left out).
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        wanted = set(names)
+        found = {}
+        for record in self.stored_changes(0):
+            if record.kind == kind and record.name in wanted and record.body is not None:
+                found[record.name] = record
+        return found

@@ -1,0 +1,318 @@
+"""Stored jobs on the beat side: reading the backend's changes each tick and
+applying them to the jobs and the agenda (docs/runtime-schedules.md).
+
+:class:`StoredJobs` owns what this instance knows of the stored jobs and
+pause states (a :class:`~celery_anarchon.stored.StoredState` and its
+version). Each tick reads the change counter (one ``GET`` or one
+primary-key ``SELECT``) and, when it moved, only the records written since.
+
+The rules it applies, the same on every instance because they depend on the
+records alone (their commit times are the backend's):
+
+* a stored job's slots start at its effective time, 1 s after its commit
+  (:data:`~celery_anarchon.stored.APPLY_DELAY_MS`); the definition it
+  replaces keeps its slots before that instant and none after;
+* a paused job's slots inside the pause are neither claimed nor sent; the
+  first one is recorded ``skipped`` with the note (once per pause: every
+  instance records the same slot, if absent);
+* a name in this instance's ``beat_schedule`` is a code entry here: a
+  stored job of that name is not run on this host (logged once).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, MutableMapping
+from typing import Any
+from zoneinfo import ZoneInfo
+
+from ..backends.base import State
+from ..backends.store import JOB, StoredJobsStore, StoredRecord
+from ..exceptions import BackendUnavailable, ConfigurationError
+from ..metrics import Metrics
+from ..model import Job, job_from_stored
+from ..settings import Settings
+from ..slots import first_slot
+from ..stored import APPLY_DELAY_MS, Pause, StoredState
+from ..times import iso
+from ..times import ms as _ms
+from .agenda import CATCH_UP, DUE, Agenda, Slot
+from .journal import Journal
+from .link import BackendLink
+
+__all__ = ["POLL_INTERVAL", "StoredJobs"]
+
+logger = logging.getLogger(__name__)
+
+#: Longest beat sleeps between two reads of the change counter on a backend
+#: that keeps stored jobs, seconds: a change committed at any instant is
+#: applied within this, plus one read, plus the tick that is running.
+POLL_INTERVAL = 0.5
+
+
+class StoredJobs:
+    """The stored jobs and pause states this instance applies.
+
+    Args:
+        app: the Celery app (stored jobs are validated against it).
+        settings: the settings.
+        zone: the app's zone.
+        jobs: the jobs this instance runs, by name (shared with the agenda
+            and the registry): stored jobs join and leave it here.
+        link: the backend.
+        agenda: where the slots of changed jobs are planned.
+        journal: where pauses are recorded.
+        metrics: counters.
+        clock: seconds since the epoch.
+    """
+
+    def __init__(
+        self,
+        app: Any,
+        settings: Settings,
+        zone: ZoneInfo,
+        jobs: MutableMapping[str, Job],
+        link: BackendLink,
+        agenda: Agenda,
+        journal: Journal,
+        metrics: Metrics,
+        clock: Callable[[], float],
+    ) -> None:
+        self._app = app
+        self._settings = settings
+        self._zone = zone
+        self._jobs = jobs
+        self._link = link
+        self._agenda = agenda
+        self._journal = journal
+        self._metrics = metrics
+        self._clock = clock
+        self.state = StoredState()
+        #: the code entries of this instance, by name
+        self.code = {name for name, job in jobs.items() if job.source == "code"}
+        #: (name, paused_ms) of pauses whose skip is recorded
+        self._recorded: set[tuple[str, int]] = set()
+        #: (name, version) of stored jobs already warned about
+        self._warned: set[tuple[str, int]] = set()
+
+    @property
+    def enabled(self) -> bool:
+        """True when the backend keeps stored jobs (every lease backend)."""
+        return isinstance(self._link.backend, StoredJobsStore)
+
+    def _store(self) -> StoredJobsStore:
+        backend = self._link.backend
+        assert isinstance(backend, StoredJobsStore)
+        return backend
+
+    # -- reading ------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Read every stored job and pause state at start-up and add them to
+        the jobs, before their first slots are planned.
+
+        Raises:
+            BackendUnavailable: no answer (beat's start-up fails, as for
+                its first connection).
+        """
+        if not self.enabled:
+            return
+        store = self._store()
+        self.state.apply(store.stored_changes(0))
+        for name in sorted(self.state.jobs):
+            job = self._build(name)
+            if job is not None:
+                self._jobs[name] = job
+        for name, pause in self.state.pauses.items():
+            job = self._jobs.get(name)
+            if job is not None:
+                job.pause = pause
+        self._log_unreadable()
+        if self.state.jobs or self.state.pauses:
+            logger.info(
+                "anarchon: %d stored job(s), %d paused job(s), version %d",
+                len(self.state.jobs),
+                sum(p.paused for p in self.state.pauses.values()),
+                self.state.version,
+            )
+
+    def refresh(self) -> None:
+        """Read the change counter; when it moved, apply what changed since
+        the last read. A backend that does not answer is retried at the
+        next tick (the definitions in force stay in force)."""
+        if not self.enabled or not self._link.ready:
+            return
+        store = self._store()
+        try:
+            version = store.stored_version()
+            if version <= self.state.version:
+                return
+            records = store.stored_changes(self.state.version)
+        except BackendUnavailable as exc:
+            self._link.on_outage(exc)
+            return
+        self.apply(records)
+
+    def apply(self, records: list[StoredRecord]) -> None:
+        """Apply ``records`` (oldest first) to the jobs and the agenda."""
+        now_ms = int(self._clock() * 1000)
+        before = self.state.version
+        fresh = [r for r in records if r.version > before]
+        self.state.apply(fresh)
+        newest = {(r.kind, r.name): r.version for r in fresh}
+        for record in fresh:
+            if record.version != newest[record.kind, record.name]:
+                continue  # a later record of the same job follows in this batch
+            if record.kind == JOB:
+                self._apply_job(record, now_ms)
+            else:
+                self._apply_pause(record.name, now_ms)
+        self._log_unreadable()
+        if fresh:
+            last = fresh[-1]
+            logger.info(
+                "anarchon: applied stored-jobs version %d (%d change(s), committed %s, %.3f s ago)",
+                last.version,
+                len(fresh),
+                iso(last.committed_ms, exact=True),
+                (now_ms - last.committed_ms) / 1000.0,
+            )
+
+    # -- applying -----------------------------------------------------------------
+
+    def _build(self, name: str) -> Job | None:
+        """The job of a stored definition, or None: a code entry here has the
+        name, or this instance cannot build it (logged once per version)."""
+        stored = self.state.jobs[name]
+        if name in self.code:
+            self._warn_once(
+                name,
+                stored.version,
+                "anarchon: job %s is both a beat_schedule entry here and a stored job "
+                "(version %d): the code entry wins on this host; rename or remove one",
+                name,
+                stored.version,
+            )
+            return None
+        try:
+            job = job_from_stored(stored, self._app, self._settings, self._zone)
+        except ConfigurationError as exc:
+            self._warn_once(
+                name,
+                stored.version,
+                "anarchon: stored job %s (version %d) cannot run on this host: %s",
+                name,
+                stored.version,
+                exc,
+            )
+            return None
+        job.pause = self.state.pauses.get(name)
+        return job
+
+    def _apply_job(self, record: StoredRecord, now_ms: int) -> None:
+        name = record.name
+        current = self._jobs.get(name)
+        if current is not None and current.source == "code":
+            if record.body is not None:
+                self._build(name)  # warns of the collision
+            return
+        effective_ms = record.committed_ms + APPLY_DELAY_MS
+        if current is not None:
+            # Its slots before the change's effective time stay (one
+            # definition or the other sends them, once); none after.
+            current.retired_ms = effective_ms
+            del self._jobs[name]
+        if record.body is None:
+            logger.info("anarchon: stored job %s removed (version %d)", name, record.version)
+            return
+        job = self._build(name)
+        if job is None:
+            return
+        self._jobs[name] = job
+        job.next_slot_ms = first_slot(job.slots, now_ms, _ms(job.options.max_late))
+        self._agenda.push_next(job)
+
+    def _apply_pause(self, name: str, now_ms: int) -> None:
+        pause = self.state.pauses.get(name)
+        job = self._jobs.get(name)
+        if job is None:
+            return
+        previous, job.pause = job.pause, pause
+        if (
+            pause is not None
+            and not pause.paused
+            and previous is not None
+            and previous.paused
+            and job.options.catch_up != "none"
+        ):
+            self._catch_up_pause(job, pause, now_ms)
+
+    def _catch_up_pause(self, job: Job, pause: Pause, now_ms: int) -> None:
+        """On resume, send the slots the pause held back as the job's
+        ``catch_up`` policy asks (``latest``: the newest; ``all``: the newest
+        ``catch_up_limit``, oldest first), inside ``catch_up_window`` and
+        ``max_late`` of now each claim is judged like a catch-up claim."""
+        o = job.options
+        until = pause.until_ms or now_ms
+        start = max(pause.from_ms, now_ms - _ms(o.catch_up_window))
+        held: list[int] = []
+        slot = job.slots.next_after(start - 1)
+        while slot is not None and slot < until and slot <= now_ms:
+            held.append(slot)
+            if len(held) > 2 * o.catch_up_limit:
+                del held[: o.catch_up_limit]
+            slot = job.slots.next_after(slot)
+        send = held[-1:] if o.catch_up == "latest" else held[-o.catch_up_limit :]
+        for slot_ms in send:
+            self._agenda.push(slot_ms, Slot(job, slot_ms, CATCH_UP))
+        if send:
+            logger.info(
+                "anarchon: %s resumed: catching up %d paused slot(s) (catch_up=%r)",
+                job.name,
+                len(send),
+                o.catch_up,
+            )
+
+    # -- the tick's questions -----------------------------------------------------
+
+    def held_back(self, slot: Slot) -> bool:
+        """Whether ``slot`` (a ``DUE``, ``CLAIM`` or ``CATCH_UP``) must not be
+        claimed: its definition was replaced or removed before it, or its
+        job is paused at it (a ``DUE`` moves the job on; the pause is
+        recorded once)."""
+        job = slot.job
+        if job.retired_at(slot.slot_ms):
+            return True
+        pause = job.pause
+        if pause is None or not pause.covers(slot.slot_ms):
+            return False
+        if slot.kind == DUE:
+            self._agenda.advance(job, slot.slot_ms)
+        self._record_pause(job, pause)
+        return True
+
+    def _record_pause(self, job: Job, pause: Pause) -> None:
+        """Record the pause once in the job's history: ``skipped`` at the
+        first slot inside it, with the note (every instance picks the same
+        slot, so the record is written once)."""
+        key = (job.name, pause.paused_ms)
+        if key in self._recorded:
+            return
+        first = job.slots.next_after(pause.from_ms - 1)
+        if first is None:
+            return
+        note = f"; note: {pause.note}" if pause.note else ""
+        error = f"paused since {iso(pause.paused_ms)}{note}; no slot runs until resumed"
+        written = self._journal.record_absent([(job, first, State.SKIPPED, error)])
+        self._recorded.add(key)
+        if any(written):
+            self._metrics.skipped(job.name)
+
+    def _warn_once(self, name: str, version: int, message: str, *args: Any) -> None:
+        if (name, version) not in self._warned:
+            self._warned.add((name, version))
+            logger.warning(message, *args)
+
+    def _log_unreadable(self) -> None:
+        for name, error in self.state.unreadable.items():
+            self._warn_once(name, -1, "anarchon: stored job %s is unreadable: %s", name, error)

@@ -1,0 +1,419 @@
+"""The Python API for stored jobs: schedules that change at runtime.
+
+::
+
+    from celery_anarchon import Schedules
+
+    with Schedules(app) as schedules:
+        schedules.add("report", "proj.tasks.report", crontab(minute=0))
+        schedules.update("report", schedule="*/30 * * * *")
+        schedules.pause("report", note="billing freeze")
+        schedules.resume("report")
+        schedules.remove("report")
+
+Stored jobs live in the claim backend (SQLite, PostgreSQL, MySQL or Redis)
+and every running beat instance applies a change within a second of its
+commit; a change holds from the first slot due at least 1 s after its
+commit (docs/runtime-schedules.md). Each call validates what it is given
+exactly as beat validates ``beat_schedule``, and writes nothing when it
+refuses. The ``celery anarchon add|update|remove|pause|resume`` commands
+are a thin layer over this class.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from .backends import backend_from_url
+from .backends.base import Backend
+from .backends.store import JOB, PAUSE, StoredJobsStore
+from .beat.registry import new_instance_id
+from .checks import args_problem, check_backend_supports
+from .exceptions import BackendMissing, ConfigurationError
+from .model import Entry, app_zone, job_from_stored
+from .settings import Settings
+from .stored import Definition, Pause, StoredJob, StoredState, decode_schedule, stored_where
+
+__all__ = ["JobExists", "NoSuchJob", "Schedules", "StoredJobsRefused", "JobView"]
+
+logger = logging.getLogger(__name__)
+
+#: The fields :meth:`Schedules.update` may change.
+UPDATABLE = ("task", "schedule", "args", "kwargs", "options", "anarchon")
+
+
+class JobExists(ConfigurationError):
+    """``add`` of a name already taken by a stored job or a code entry."""
+
+
+class NoSuchJob(ConfigurationError):
+    """A call about a job that is not there."""
+
+
+class StoredJobsRefused(ConfigurationError):
+    """The claim backend cannot keep stored jobs (RabbitMQ, claim only)."""
+
+
+@dataclass(frozen=True)
+class JobView:
+    """One job as :meth:`Schedules.get` and :meth:`Schedules.list` show it.
+
+    Attributes:
+        name: the job's name.
+        source: ``"code"`` (``beat_schedule`` of this app, or of a live
+            instance) or ``"stored"``.
+        definition: a stored job's definition (None for code entries).
+        version: a stored job's version, else 0.
+        committed_ms: when a stored job was last written, epoch ms, else None.
+        pause: its pause state, or None when never paused.
+    """
+
+    name: str
+    source: str
+    definition: Definition | None
+    version: int = 0
+    committed_ms: int | None = None
+    pause: Pause | None = None
+
+    @property
+    def paused(self) -> bool:
+        return self.pause is not None and self.pause.paused
+
+
+class Schedules:
+    """Add, update, pause, resume and remove jobs at runtime.
+
+    Args:
+        app: the Celery app (its ``anarchon_*`` settings and ``beat_schedule``).
+        schedule_filename: beat's ``-s`` file, when the default SQLite backend
+            is used and beat runs with a non-default one.
+        backend: an already-built backend (tests); default from settings.
+    Raises:
+        StoredJobsRefused: the claim backend is RabbitMQ (claim only): stored
+            jobs need a lease backend (Redis, PostgreSQL, MySQL or SQLite).
+        ConfigurationError: bad settings.
+    """
+
+    def __init__(
+        self,
+        app: Any,
+        *,
+        schedule_filename: str | None = None,
+        backend: Backend | None = None,
+    ) -> None:
+        self.app = app
+        self.settings = Settings.from_app(app, schedule_filename=schedule_filename)
+        self.backend = backend or backend_from_url(
+            self.settings.backend,
+            instance=new_instance_id(),
+            options=self.settings.effective_backend_options(),
+            client=self.settings.backend_client,
+        )
+        if not isinstance(self.backend, StoredJobsStore):
+            raise StoredJobsRefused(
+                f"{self.backend.describe()} is claim-only and keeps no stored jobs: set "
+                "anarchon_backend to a lease backend (Redis, PostgreSQL, MySQL or SQLite) "
+                "to add, update, pause or remove jobs at runtime."
+            )
+        self._store: StoredJobsStore = self.backend
+        self._zone = app_zone(app)
+        self._opened = False
+
+    def __enter__(self) -> Schedules:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the backend connection. Safe to call twice."""
+        self.backend.close()
+        self._opened = False
+
+    def _open(self, *, create: bool) -> StoredJobsStore:
+        if not self._opened:
+            if not create and not self.backend.exists():
+                raise BackendMissing(
+                    f"{self.backend.describe()} does not exist: beat creates it on its first "
+                    "start, and so does the first `add`."
+                )
+            self.backend.open()
+            self._opened = True
+        return self._store
+
+    # -- validation -------------------------------------------------------------
+
+    def validate(self, definition: Definition) -> None:
+        """Refuse ``definition`` as beat would refuse it in ``beat_schedule``.
+
+        Raises:
+            ConfigurationError: a bad schedule, per-job option, a schedule
+                that never fires, an option the backend cannot give, or
+                arguments the task's signature or serializer refuses, naming
+                the job and the fix.
+        """
+        name = definition.name
+        job = job_from_stored(StoredJob(definition, 0, 0), self.app, self.settings, self._zone)
+        check_backend_supports(self.backend, self.settings, job)
+        entry = Entry(**dict(definition.entry_fields(), name=name, app=self.app))
+        problem = args_problem(self.app, name, entry)
+        if problem is not None:
+            where = f"beat_schedule[{name!r}]"
+            raise ConfigurationError(problem.replace(where, stored_where(name)))
+        if job.slots.next_after(self.backend_now_ms()) is None:
+            raise ConfigurationError(
+                f"{stored_where(name)}['schedule']: {definition.describe_schedule()} has no "
+                "slot after now, so it would never run. Fix: give a time in the future."
+            )
+
+    def backend_now_ms(self) -> int:
+        """The backend's clock, epoch ms."""
+        self._open(create=True)
+        return self.backend.now_ms()
+
+    def _code_names(self) -> set[str]:
+        """Names of code entries: this app's ``beat_schedule`` and every live
+        instance's (the registry keeps their definitions)."""
+        names = set(self.app.conf.beat_schedule or {})
+        for info in self.backend.instances():
+            names.update(self.backend.definitions(info.instance))
+        return names
+
+    # -- writes -----------------------------------------------------------------
+
+    def add(
+        self,
+        name: str,
+        task: str,
+        schedule: Any,
+        args: Any = (),
+        kwargs: Any = None,
+        options: Any = None,
+        anarchon: Any = None,
+        paused: bool = False,
+        note: str | None = None,
+    ) -> StoredJob:
+        """Store a new job; every instance runs it from its first slot at or
+        after 1 s past the commit.
+
+        Args:
+            name: the job's name (not a code entry's, nor a stored job's).
+            task: the task's registered name.
+            schedule: what ``beat_schedule`` takes: seconds, ``timedelta``,
+                ``crontab``, a cron string, ``cron(..., tz=)``, ``solar``, an
+                aware datetime.
+            args, kwargs, options, anarchon: as in ``beat_schedule``.
+            paused: store it paused (nothing runs until :meth:`resume`).
+            note: the pause note, with ``paused``.
+        Returns:
+            the stored job, with its version and commit time.
+        Raises:
+            ConfigurationError: a bad definition (:meth:`validate`).
+            JobExists: a stored job or a code entry has the name.
+            BackendUnavailable: no answer (retry: an add that committed
+                answers JobExists).
+        """
+        definition = Definition.build(name, task, schedule, args, kwargs, options, anarchon)
+        store = self._open(create=True)
+        self.validate(definition)
+        if name in self._code_names():
+            raise JobExists(
+                f"{name!r} is a beat_schedule entry (in this app's code, or on a live "
+                "instance): code entries stay code-defined. Pick another name, or change "
+                "the code entry."
+            )
+        # The pause goes first, so no slot runs between the two writes.
+        if paused:
+            store.write_stored(PAUSE, name, Pause(name, True, note or "").body())
+        else:
+            store.write_stored(PAUSE, name, None, exists=True)  # a removed job's leftover
+        record = store.write_stored(JOB, name, definition.body(), exists=False)
+        if record is None:
+            raise JobExists(
+                f"stored job {name!r} exists; use update() to change it or remove() it first."
+            )
+        logger.info("anarchon: stored job %s added (version %d)", name, record.version)
+        return StoredJob(definition, record.version, record.committed_ms)
+
+    def update(self, name: str, **changes: Any) -> StoredJob:
+        """Change a stored job's fields; the rest stay.
+
+        Args:
+            name: the stored job.
+            **changes: any of ``task``, ``schedule``, ``args``, ``kwargs``,
+                ``options``, ``anarchon``.
+        Returns:
+            the stored job as written.
+        Raises:
+            ConfigurationError: an unknown field or a bad definition; the
+                old definition stays in force.
+            NoSuchJob: no stored job has the name (a code entry is changed
+                in the code).
+            BackendUnavailable: no answer.
+        """
+        unknown = sorted(set(changes) - set(UPDATABLE))
+        if unknown:
+            raise ConfigurationError(
+                f"update({name!r}): unknown field(s) {', '.join(unknown)}; "
+                f"give any of {', '.join(UPDATABLE)}."
+            )
+        store = self._open(create=False)
+        current = store.stored_records([name], JOB).get(name)
+        if current is None or current.body is None:
+            raise self._no_such_job(name, "update")
+        old = Definition.from_body(name, current.body)
+        fields = {
+            "task": old.task,
+            "schedule": decode_schedule(old.schedule, job=name),
+            "args": old.args,
+            "kwargs": old.kwargs,
+            "options": old.options,
+            "anarchon": old.anarchon,
+        }
+        fields.update(changes)
+        definition = Definition.build(name, **fields)
+        self.validate(definition)
+        record = store.write_stored(JOB, name, definition.body(), exists=True)
+        if record is None:
+            raise self._no_such_job(name, "update")
+        logger.info("anarchon: stored job %s updated (version %d)", name, record.version)
+        return StoredJob(definition, record.version, record.committed_ms)
+
+    def remove(self, name: str) -> int:
+        """Remove a stored job; no slot at or after 1 s past the commit runs.
+        Its history stays readable.
+
+        Returns:
+            the version of the removal.
+        Raises:
+            NoSuchJob: no stored job has the name.
+            BackendUnavailable: no answer.
+        """
+        store = self._open(create=False)
+        record = store.write_stored(JOB, name, None, exists=True)
+        if record is None:
+            raise self._no_such_job(name, "remove")
+        store.write_stored(PAUSE, name, None, exists=True)
+        logger.info("anarchon: stored job %s removed (version %d)", name, record.version)
+        return record.version
+
+    def pause(self, name: str, note: str | None = None) -> Pause:
+        """Pause a job, code entry or stored job: from the first slot due at
+        least 1 s after the commit, no instance claims or sends it, and its
+        history records the pause once (with ``note``), not once per slot.
+        Pausing a paused job changes nothing.
+
+        Raises:
+            NoSuchJob: neither a code entry (here or on a live instance)
+                nor a stored job has the name.
+            BackendUnavailable: no answer.
+        """
+        if note is not None and not isinstance(note, str):
+            raise ConfigurationError(f"pause({name!r}): the note must be a string, got {note!r}.")
+        store = self._open(create=True)
+        current = self._pause_of(name)
+        if current is not None and current.paused:
+            return current
+        self._require_job(name, "pause")
+        record = store.write_stored(PAUSE, name, Pause(name, True, note or "").body())
+        assert record is not None and record.body is not None
+        logger.info("anarchon: job %s paused (version %d)", name, record.version)
+        return Pause.from_record(name, record.body, record.version, record.committed_ms)
+
+    def resume(self, name: str) -> Pause:
+        """Resume a paused job: its first slot is the first due at least 1 s
+        after the commit; slots that passed while it was paused are not sent
+        (unless its ``catch_up`` policy asks for them, docs/runtime-schedules.md).
+        Resuming a running job changes nothing.
+
+        Raises:
+            NoSuchJob: no job has the name.
+            BackendUnavailable: no answer.
+        """
+        store = self._open(create=True)
+        current = self._pause_of(name)
+        if current is None or not current.paused:
+            self._require_job(name, "resume")
+            return current or Pause(name, False)
+        body = Pause(name, False, current.note, current.paused_ms).body()
+        record = store.write_stored(PAUSE, name, body)
+        assert record is not None and record.body is not None
+        logger.info("anarchon: job %s resumed (version %d)", name, record.version)
+        return Pause.from_record(name, record.body, record.version, record.committed_ms)
+
+    # -- reads ------------------------------------------------------------------
+
+    def get(self, name: str) -> JobView:
+        """One job, code entry or stored.
+
+        Raises:
+            NoSuchJob: no job has the name.
+            BackendUnavailable: no answer.
+        """
+        for view in self.list(names=[name]):
+            return view
+        raise self._no_such_job(name, "get")
+
+    def list(self, names: Any = None) -> list[JobView]:
+        """Every job: this app's code entries and the stored jobs, by name.
+        A name both in the code and stored shows the code entry (it wins on
+        hosts that have it).
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        state = self.state()
+        code = set(self.app.conf.beat_schedule or {})
+        views = {}
+        for name in code:
+            views[name] = JobView(name, "code", None, pause=state.pauses.get(name))
+        for name, stored in state.jobs.items():
+            if name not in views:
+                views[name] = JobView(
+                    name,
+                    "stored",
+                    stored.definition,
+                    stored.version,
+                    stored.committed_ms,
+                    state.pauses.get(name),
+                )
+        wanted = sorted(views) if names is None else [n for n in names if n in views]
+        return [views[n] for n in wanted]
+
+    def state(self) -> StoredState:
+        """The stored jobs and pause states as of now (empty, and nothing
+        created, when the SQLite file does not exist yet).
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        state = StoredState()
+        if not self._opened and not self.backend.exists():
+            return state
+        state.apply(self._open(create=False).stored_changes(0))
+        return state
+
+    # -- helpers ----------------------------------------------------------------
+
+    def _pause_of(self, name: str) -> Pause | None:
+        record = self._store.stored_records([name], PAUSE).get(name)
+        if record is None or record.body is None:
+            return None
+        return Pause.from_record(name, record.body, record.version, record.committed_ms)
+
+    def _require_job(self, name: str, what: str) -> None:
+        if self._store.stored_records([name], JOB):
+            return
+        if name in self._code_names():
+            return
+        raise self._no_such_job(name, what)
+
+    def _no_such_job(self, name: str, what: str) -> NoSuchJob:
+        if what in ("update", "remove") and name in (self.app.conf.beat_schedule or {}):
+            return NoSuchJob(
+                f"{what}({name!r}): {name!r} is a beat_schedule entry; code entries "
+                "change in the code (pause and resume work on them)."
+            )
+        return NoSuchJob(f"{what}({name!r}): no stored job or code entry has that name.")
