@@ -455,12 +455,15 @@ class StoredState:
         pauses: the pause states, by job name (code or stored job).
         unreadable: ``{name: error}`` of stored jobs whose body could not
             be read (logged by the reader, never applied).
+        committed_ms: when the newest version applied was committed, epoch
+            ms (the backend's clock), 0 before any.
     """
 
     version: int = 0
     jobs: dict[str, StoredJob] = field(default_factory=dict)
     pauses: dict[str, Pause] = field(default_factory=dict)
     unreadable: dict[str, str] = field(default_factory=dict)
+    committed_ms: int = 0
 
     def apply(self, records: Any) -> list[tuple[str, str]]:
         """Fold ``records`` (``StoredRecord`` objects, oldest first) in.
@@ -472,7 +475,8 @@ class StoredState:
         for record in records:
             if record.version <= self.version and self.version:
                 continue
-            self.version = max(self.version, record.version)
+            if record.version > self.version:
+                self.version, self.committed_ms = record.version, record.committed_ms
             name = record.name
             changed.append((record.kind, name))
             if record.kind == "job":

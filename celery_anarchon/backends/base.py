@@ -315,6 +315,8 @@ class InstanceInfo:
             epoch milliseconds, or None (older versions). The instance's
             clock offset from the backend's is ``clock_ms - heartbeat_ms``,
             within one round trip.
+        stored_version: the stored-jobs version the instance applies
+            (docs/runtime-schedules.md), or None (older versions).
     """
 
     instance: str
@@ -326,6 +328,7 @@ class InstanceInfo:
     fingerprint: str = ""
     jobs: dict[str, str] = field(default_factory=dict)
     clock_ms: int | None = None
+    stored_version: int | None = None
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> InstanceInfo:

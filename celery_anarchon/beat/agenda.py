@@ -285,8 +285,10 @@ class Agenda:
         gap: list[int] = []
         slot = job.slots.next_after(max(last_ms, window_start - 1))
         bound = max(o.history_size, o.catch_up_limit)
+        pause = job.pause
         while slot is not None and slot < first_ms:
-            gap.append(slot)
+            if pause is None or not pause.covers(slot):  # a paused slot was never due
+                gap.append(slot)
             if len(gap) > 2 * bound:  # keep the newest only; bounded memory
                 del gap[:bound]
             slot = job.slots.next_after(slot)

@@ -58,6 +58,11 @@ PEER_STALE = 2 * HEARTBEAT_INTERVAL
 #: period's margin for a loaded machine).
 HAND_OVER_MARGIN = 2 * HEARTBEAT_INTERVAL
 
+#: A peer still on an older stored-jobs version this long after the newer
+#: one committed is warned about, milliseconds (every instance applies a
+#: change within a second; heartbeats come every HEARTBEAT_INTERVAL).
+STORED_LAG_MS = 3000
+
 #: Most time a heartbeat gives the backend's deferred upkeep, seconds.
 HOUSEKEEPING_BUDGET = 0.5
 
@@ -113,6 +118,8 @@ class Registry:
         started_ms: when this instance started, epoch ms.
         on_peer_left: called when a peer left the registry or stopped
             heartbeating (the take-over checks it backs up fall due at once).
+        stored: ``(version, committed_ms)`` of the stored jobs this instance
+            applies (:class:`~celery_anarchon.beat.stored.StoredJobs`).
     """
 
     def __init__(
@@ -125,6 +132,7 @@ class Registry:
         rng: random.Random,
         started_ms: int,
         on_peer_left: Callable[[], None],
+        stored: Callable[[], tuple[int, int]] = lambda: (0, 0),
     ) -> None:
         self.instance_id = instance_id
         self._jobs = jobs
@@ -135,18 +143,23 @@ class Registry:
         self.random = rng
         self._started_ms = started_ms
         self._on_peer_left = on_peer_left
+        self._stored_version = stored
         #: live instance ids (this one included), sorted
         self.peers: list[str] = []
         #: the next heartbeat is due at this clock time (seconds)
         self.next_heartbeat = 0.0
-        self._definitions = {name: job.definition for name, job in jobs.items()}
-        self.fingerprint = schedule_fingerprint(jobs)
+        code = {name: job for name, job in jobs.items() if job.source == "code"}
+        #: the code entries' definitions (stored jobs are compared by version)
+        self._definitions = {name: job.definition for name, job in code.items()}
+        self.fingerprint = schedule_fingerprint(code)
         #: the fingerprint whose definitions the registry holds for us, if known
         self._stored: str | None = None
         #: (job, instance, definition) drift already warned about
         self._drift_seen: set[tuple[str, str, str]] = set()
         #: (instance, fingerprint) of peers whose definitions were compared
         self._drift_read: set[tuple[str, str]] = set()
+        #: (instance, version) of peers warned about for lagging stored jobs
+        self._lag_seen: set[tuple[str, int]] = set()
 
     def _now_ms(self) -> int:
         return int(self._clock() * 1000)
@@ -248,7 +261,13 @@ class Registry:
         its fingerprint differs from ours, and once per peer and fingerprint.
         Meanwhile each definition's slots are claimed on their own keys only
         when the slot times differ; where they agree, one claim still wins.
+
+        Also warns of a peer's code entry that has the name of a stored
+        job here (the code entry wins on the hosts that have it), and of a
+        peer whose stored-jobs version lags ours more than
+        :data:`STORED_LAG_MS` after our newest change committed.
         """
+        self._warn_stored_lag(live)
         for other in live:
             if other.instance == self.instance_id or other.fingerprint == self.fingerprint:
                 continue
@@ -260,7 +279,10 @@ class Registry:
             self._drift_read.add((other.instance, other.fingerprint))
             for name, theirs in theirs_all.items():
                 ours = self._definitions.get(name)
-                if ours is None or ours == theirs:
+                if ours is None:
+                    self._warn_collision(name, other.instance)
+                    continue
+                if ours == theirs:
                     continue
                 seen = (name, other.instance, theirs)
                 if seen not in self._drift_seen:
@@ -271,6 +293,37 @@ class Registry:
                         name,
                         other.instance,
                     )
+
+    def _warn_collision(self, name: str, instance: str) -> None:
+        job = self._jobs.get(name)
+        seen = (name, instance, "stored")
+        if job is None or job.source != "stored" or seen in self._drift_seen:
+            return
+        self._drift_seen.add(seen)
+        logger.warning(
+            "anarchon: job %s is a beat_schedule entry on instance %s and a stored job "
+            "here: the code entry wins on the hosts that have it; rename or remove one",
+            name,
+            instance,
+        )
+
+    def _warn_stored_lag(self, live: Sequence[InstanceInfo]) -> None:
+        version, committed_ms = self._stored_version()
+        for other in live:
+            theirs = other.stored_version
+            if other.instance == self.instance_id or theirs is None or theirs >= version:
+                continue
+            if other.heartbeat_ms - committed_ms <= STORED_LAG_MS:
+                continue  # still applying it
+            if (other.instance, theirs) not in self._lag_seen:
+                self._lag_seen.add((other.instance, theirs))
+                logger.warning(
+                    "anarchon: instance %s applies stored jobs at version %d, this one at "
+                    "%d: its slots follow older definitions (a backend it cannot read?)",
+                    other.instance,
+                    theirs,
+                    version,
+                )
 
     def _peer_definitions(self, instance: str) -> dict[str, str]:
         """A peer's stored definitions; empty when they cannot be read."""
@@ -298,6 +351,7 @@ class Registry:
             clock_ms=self._now_ms(),
             fingerprint=self.fingerprint,
             jobs=self._definitions,
+            stored_version=self._stored_version()[0],
         )
 
 

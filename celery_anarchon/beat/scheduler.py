@@ -257,6 +257,7 @@ class Scheduler(beat.Scheduler):
             self._random,
             started_ms=self._now_ms(),
             on_peer_left=lambda: self.take_over.check_now(),
+            stored=lambda: (self.stored.state.version, self.stored.state.committed_ms),
         )
         self.claimer = Claimer(link, self.agenda, settings, metrics, clock)
         self.publisher = Publisher(
@@ -340,6 +341,7 @@ class Scheduler(beat.Scheduler):
         now = self._clock()
         if not link.ready and now >= link.retry_at:
             link.connect(strict=False)
+        self.stored.refresh()  # before the gaps: a paused slot was never due
         if link.ready and self.agenda.unsettled:
             self.agenda.settle_gaps()  # the backend was away at start-up
         if link.ready and now >= self.registry.next_heartbeat:
@@ -348,7 +350,6 @@ class Scheduler(beat.Scheduler):
             self.registry.heartbeat(now, housekeep=not busy)
         if link.ready and self.journal.unrecorded:
             self.journal.record_after_outage()
-        self.stored.refresh()
         if self.journal.unmarked:
             self.journal.flush_marks()  # sent slots a backend blip left unrecorded
         # A job has one slot in the heap at a time, so after a stall or at

@@ -88,6 +88,9 @@ class StoredJobs:
         self._metrics = metrics
         self._clock = clock
         self.state = StoredState()
+        #: True once every stored record was read (at start-up, or once the
+        #: backend answered after it)
+        self.loaded = False
         #: the code entries of this instance, by name
         self.code = {name for name, job in jobs.items() if job.source == "code"}
         #: (name, paused_ms) of pauses whose skip is recorded
@@ -111,14 +114,21 @@ class StoredJobs:
         """Read every stored job and pause state at start-up and add them to
         the jobs, before their first slots are planned.
 
-        Raises:
-            BackendUnavailable: no answer (beat's start-up fails, as for
-                its first connection).
+        A backend away at start-up is read when it answers
+        (:meth:`refresh`): the stored jobs then start like jobs added at
+        that moment, their catch-up gap settled as at start-up.
         """
         if not self.enabled:
             return
-        store = self._store()
-        self.state.apply(store.stored_changes(0))
+        if not self._link.ready:  # beat runs on; read once the backend answers
+            return
+        try:
+            records = self._store().stored_changes(0)
+        except BackendUnavailable as exc:
+            self._link.on_outage(exc)
+            return
+        self.loaded = True
+        self.state.apply(records)
         for name in sorted(self.state.jobs):
             job = self._build(name)
             if job is not None:
@@ -141,6 +151,9 @@ class StoredJobs:
         the last read. A backend that does not answer is retried at the
         next tick (the definitions in force stay in force)."""
         if not self.enabled or not self._link.ready:
+            return
+        if not self.loaded:
+            self._load_late()
             return
         store = self._store()
         try:
@@ -177,6 +190,23 @@ class StoredJobs:
                 iso(last.committed_ms, exact=True),
                 (now_ms - last.committed_ms) / 1000.0,
             )
+
+    def _load_late(self) -> None:
+        """:meth:`load`, once the backend answers after a start-up without
+        it: the stored jobs join the agenda now, and their gap is settled
+        with the code entries' (:meth:`Agenda.settle_gaps`)."""
+        before = set(self._jobs)
+        self.load()
+        if not self.loaded:
+            return
+        now_ms = int(self._clock() * 1000)
+        for name, job in self._jobs.items():
+            if name in before:
+                continue
+            job.next_slot_ms = first_slot(job.slots, now_ms, _ms(job.options.max_late))
+            self._agenda.push_next(job)
+            if job.next_slot_ms is not None:
+                self._agenda.unsettled[name] = job.next_slot_ms
 
     # -- applying -----------------------------------------------------------------
 
@@ -279,12 +309,13 @@ class StoredJobs:
         """Whether ``slot`` (a ``DUE``, ``CLAIM`` or ``CATCH_UP``) must not be
         claimed: its definition was replaced or removed before it, or its
         job is paused at it (a ``DUE`` moves the job on; the pause is
-        recorded once)."""
+        recorded once). A ``CATCH_UP`` inside a pause is the resume's
+        catch-up (:meth:`_catch_up_pause`): it goes on."""
         job = slot.job
         if job.retired_at(slot.slot_ms):
             return True
         pause = job.pause
-        if pause is None or not pause.covers(slot.slot_ms):
+        if pause is None or slot.kind == CATCH_UP or not pause.covers(slot.slot_ms):
             return False
         if slot.kind == DUE:
             self._agenda.advance(job, slot.slot_ms)

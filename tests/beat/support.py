@@ -273,7 +273,8 @@ def make_app(url: str, schedule: dict[str, Any], **conf: Any) -> Celery:
     # still finds it): claims and registry entries of an earlier test in the
     # same worker (same job names, a slot in the same second, an instance not
     # yet stale) must not reach this one.
-    prefix = backend_options(url.split(":")[0])["prefix"]  # sqlite, postgresql or redis
+    kind = url.split(":")[0].split("+")[0]  # sqlite, postgresql, mysql or redis
+    prefix = backend_options(kind)["prefix"]
     settings: dict[str, Any] = {
         "broker_url": "memory://",
         "task_default_queue": f"q-{uuid.uuid4().hex[:8]}",
