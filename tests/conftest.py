@@ -13,12 +13,15 @@ import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from celery_anarchon.backends import backend_from_url
 from celery_anarchon.backends.base import Backend
+
+if TYPE_CHECKING:
+    from .faults.servers import RedisServer
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 
@@ -186,3 +189,18 @@ def backend(make_backend: BackendFactory) -> Backend:
 def job() -> str:
     """A job name no other test uses."""
     return f"job-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A ``redis-server`` of the test's own (it may crash and restart it)."""
+    from .faults.servers import RedisServer  # the harness imports this module
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.crash()

@@ -14,7 +14,6 @@ import redis
 from kombu import Connection, Exchange, Queue
 
 from ..conftest import backend_url, require_service
-from ..faults.servers import RedisServer
 from .support import BROKER_DB, LEASE_BACKENDS, CountingRefuser
 
 
@@ -63,20 +62,6 @@ def refuser() -> Iterator[CountingRefuser]:
 @pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'claims.db'}"
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    import shutil
-
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed")
-    server = RedisServer(tmp_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.crash()
 
 
 @pytest.fixture(params=LEASE_BACKENDS)
