@@ -7,6 +7,7 @@ real clock too, ticking for a few seconds each."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -15,8 +16,9 @@ import pytest
 from celery import Celery
 
 from celery_anarchon.backends.base import State
+from celery_anarchon.beat.registry import STORED_LAG_MS
 from celery_anarchon.beat.scheduler import Scheduler
-from celery_anarchon.schedules import Schedules
+from celery_anarchon.schedules import JobExists, Schedules
 from celery_anarchon.stored import APPLY_DELAY_MS
 
 from .support import make_app, sent_slots
@@ -227,3 +229,42 @@ def test_a_refused_update_leaves_the_old_definition_in_force(schedules: Schedule
     state = schedules.state()
     assert state.version == before
     assert state.jobs["dyn"].definition.schedule == {"every": 1.0}
+
+
+def test_add_refuses_the_name_of_a_code_entry_on_a_live_instance(lease_url: str) -> None:
+    """The name is in another host's beat_schedule only: its registry entry
+    tells."""
+    there = make_app(lease_url, {"only-there": {"task": "t.noop", "schedule": 3600.0}})
+    here = make_app(lease_url, {})
+    here.conf.anarchon_backend_options = there.conf.anarchon_backend_options
+    s = start(there)
+    try:
+        with Schedules(here) as schedules, pytest.raises(JobExists, match="only-there"):
+            schedules.add("only-there", "t.noop", 60)
+        with Schedules(here) as schedules:
+            assert schedules.add("free-name", "t.noop", 60).version == 1
+    finally:
+        s.close()
+
+
+def test_a_peer_behind_on_stored_jobs_is_warned_about(
+    lease_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = make_app(lease_url, HOURLY)
+    s = start(app)
+    try:
+        with Schedules(app) as schedules:
+            schedules.add("dyn", "t.noop", 60)
+        s.tick()
+        assert s.stored.state.version == 1
+        behind = dataclasses.replace(
+            s.registry.instance_info(),
+            instance="host:1:behind",
+            stored_version=0,
+            heartbeat_ms=s.stored.state.committed_ms + STORED_LAG_MS + 1000,
+        )
+        with caplog.at_level(logging.WARNING, logger="celery_anarchon"):
+            s.registry._warn_stored_lag([behind])
+        assert "host:1:behind applies stored jobs at version 0" in caplog.text
+    finally:
+        s.close()
