@@ -190,8 +190,11 @@ class Job:
             backend, docs/runtime-schedules.md).
         version: a stored job's version (the change counter), else 0.
         pause: its pause state, when it was ever paused (code or stored).
-        retired_ms: set once an update or a removal replaced this job:
-            its slots at or after this (epoch ms) are no longer claimed.
+        retired_ms: set once an update or a removal replaced this job, or
+            it finished: its slots at or after this (epoch ms) are no longer
+            claimed.
+        finished: why the job is finished (``"max_runs=3 reached"``,
+            ``"end_at ... passed"``), or "".
     """
 
     name: str
@@ -204,6 +207,7 @@ class Job:
     version: int = 0
     pause: Pause | None = None
     retired_ms: int | None = None
+    finished: str = ""
 
     def paused_at(self, slot_ms: int) -> bool:
         """Whether the slot at ``slot_ms`` falls in the job's pause."""
@@ -232,6 +236,7 @@ class Job:
             lease_ms=_ms(o.lease_ttl),
             history_size=o.history_size,
             history_ttl_ms=_ms(o.history_ttl),
+            max_runs=o.max_runs,
         )
 
     def catch_up_request(self, slot_ms: int, now_ms: int, max_skew: float) -> ClaimRequest:
@@ -296,6 +301,8 @@ def build_jobs(
         slots = slots_for(
             entry.schedule, job=name, tz=zone, anchor_ms=options.anchor_ms, shared=shared
         )
+        if options.start_at_ms is not None or options.end_at_ms is not None:
+            slots = BoundedSlots(slots, options.start_at_ms, options.end_at_ms)
         text = "\x00".join(
             [
                 slots.describe(),  # what definition() gives, without building again

@@ -38,10 +38,13 @@ from .stored import Definition, Pause, StoredJob, StoredState, decode_schedule, 
 
 __all__ = ["JobExists", "NoSuchJob", "Schedules", "StoredJobsRefused", "JobView"]
 
+#: A definition's bounds, kept with its per-job options (``'anarchon'``).
+BOUNDS = ("start_at", "end_at", "max_runs")
+
 logger = logging.getLogger(__name__)
 
 #: The fields :meth:`Schedules.update` may change.
-UPDATABLE = ("task", "schedule", "args", "kwargs", "options", "anarchon")
+UPDATABLE = ("task", "schedule", "args", "kwargs", "options", "anarchon", *BOUNDS)
 
 
 class JobExists(ConfigurationError):
@@ -194,6 +197,9 @@ class Schedules:
         anarchon: Any = None,
         paused: bool = False,
         note: str | None = None,
+        start_at: Any = None,
+        end_at: Any = None,
+        max_runs: int | None = None,
     ) -> StoredJob:
         """Store a new job; every instance runs it from its first slot at or
         after 1 s past the commit.
@@ -207,6 +213,10 @@ class Schedules:
             args, kwargs, options, anarchon: as in ``beat_schedule``.
             paused: store it paused (nothing runs until :meth:`resume`).
             note: the pause note, with ``paused``.
+            start_at, end_at: no slot before ``start_at`` nor after
+                ``end_at`` (aware datetimes, or ISO 8601 texts with a zone);
+                kept under ``anarchon``, as a code entry keeps them.
+            max_runs: most runs the cluster sends; then the job is finished.
         Returns:
             the stored job, with its version and commit time.
         Raises:
@@ -215,6 +225,8 @@ class Schedules:
             BackendUnavailable: no answer (retry: an add that committed
                 answers JobExists).
         """
+        bounds = {"start_at": start_at, "end_at": end_at, "max_runs": max_runs}
+        anarchon = _with_bounds(anarchon, bounds)
         definition = Definition.build(name, task, schedule, args, kwargs, options, anarchon)
         store = self._open(create=True)
         self.validate(definition)
@@ -243,7 +255,8 @@ class Schedules:
         Args:
             name: the stored job.
             **changes: any of ``task``, ``schedule``, ``args``, ``kwargs``,
-                ``options``, ``anarchon``.
+                ``options``, ``anarchon``, ``start_at``, ``end_at``,
+                ``max_runs`` (None removes a bound).
         Returns:
             the stored job as written.
         Raises:
@@ -272,7 +285,9 @@ class Schedules:
             "options": old.options,
             "anarchon": old.anarchon,
         }
+        bounds = {key: changes.pop(key) for key in BOUNDS if key in changes}
         fields.update(changes)
+        fields["anarchon"] = _with_bounds(fields["anarchon"], bounds, clear=True)
         definition = Definition.build(name, **fields)
         self.validate(definition)
         record = store.write_stored(JOB, name, definition.body(), exists=True)
@@ -417,3 +432,19 @@ class Schedules:
                 "change in the code (pause and resume work on them)."
             )
         return NoSuchJob(f"{what}({name!r}): no stored job or code entry has that name.")
+
+
+def _with_bounds(anarchon: Any, bounds: dict[str, Any], *, clear: bool = False) -> Any:
+    """``anarchon`` with ``bounds`` set (None leaves a bound out; with
+    ``clear``, None removes it)."""
+    if not any(v is not None for v in bounds.values()) and not clear:
+        return anarchon
+    if anarchon is not None and not isinstance(anarchon, dict):
+        return anarchon  # Definition.build refuses it, naming the job
+    merged = dict(anarchon or {})
+    for key, value in bounds.items():
+        if value is not None:
+            merged[key] = value
+        elif clear and key in bounds:
+            merged.pop(key, None)
+    return merged

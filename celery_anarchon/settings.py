@@ -41,6 +41,9 @@ JOB_KEYS = frozenset(
         "anchor",
         "lease_ttl",
         "expires",
+        "start_at",
+        "end_at",
+        "max_runs",
     }
 )
 
@@ -112,6 +115,11 @@ class JobOptions:
         expires: message expiry of each run: None (never), seconds after
             the slot's time, or ``'next_slot'`` (the job's next slot); see
             :func:`celery_anarchon.worker.expires_for`.
+        start_at_ms: no slot before this, epoch ms (UTC), or None.
+        end_at_ms: no slot after this, epoch ms (UTC), or None: past it the
+            job is finished.
+        max_runs: most runs the cluster sends of the job (won claims), or
+            None; reaching it finishes the job (lease backends).
     """
 
     jitter: float
@@ -125,6 +133,9 @@ class JobOptions:
     lease_ttl: float
     anchor_ms: int = 0
     expires: float | str | None = None
+    start_at_ms: int | None = None
+    end_at_ms: int | None = None
+    max_runs: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The options as plain values (for ``celery anarchon jobs``)."""
@@ -292,8 +303,16 @@ class Settings:
             lease_ttl=lease_ttl,
             anchor_ms=_anchor_ms(o["anchor"], job) if "anchor" in o else d.anchor_ms,
             expires=parse_expires(o.get("expires", d.expires), setting="expires", job=job),
+            start_at_ms=_instant_ms(o["start_at"], "start_at", job) if "start_at" in o else None,
+            end_at_ms=_instant_ms(o["end_at"], "end_at", job) if "end_at" in o else None,
+            max_runs=(
+                _positive_int(o["max_runs"], setting="max_runs", job=job)
+                if o.get("max_runs") is not None
+                else None
+            ),
         )
         _check_jitter(options, job)
+        _check_bounds(options, job)
         return options
 
 
@@ -415,6 +434,41 @@ def _anchor_ms(value: Any, job: str) -> int:
     raise ConfigurationError(
         f"{_where(job)}anchor must be an aware datetime or epoch seconds, got {value!r}."
     )
+
+
+def _instant_ms(value: Any, setting: str, job: str) -> int:
+    """An instant from an aware datetime or an ISO 8601 text with a zone, epoch ms.
+
+    Raises:
+        ConfigurationError: a naive datetime or text, or anything else.
+    """
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+        except ValueError:
+            raise ConfigurationError(
+                f"{_where(job)}{setting}: {value!r} is not an ISO 8601 instant; give e.g. "
+                "'2027-01-01T00:00:00Z'."
+            ) from None
+    if isinstance(value, datetime):
+        if value.tzinfo is None or value.utcoffset() is None:
+            raise ConfigurationError(
+                f"{_where(job)}{setting} must carry a time zone, got naive {value.isoformat()}; "
+                "add tzinfo=timezone.utc (or the zone you mean), or 'Z' to the text."
+            )
+        return int(round(value.timestamp() * 1000))
+    raise ConfigurationError(
+        f"{_where(job)}{setting} must be an aware datetime or an ISO 8601 text, got {value!r}."
+    )
+
+
+def _check_bounds(options: JobOptions, job: str) -> None:
+    start, end = options.start_at_ms, options.end_at_ms
+    if start is not None and end is not None and end < start:
+        raise ConfigurationError(
+            f"{_where(job)}end_at is before start_at: the job would never run. Fix: give an "
+            "end_at at or after start_at, or leave one out."
+        )
 
 
 def first_broker_url(conf: Any) -> str:

@@ -176,27 +176,41 @@ class OneoffSlots:
 
 
 class BoundedSlots:
-    """Another schedule's slots from ``start_ms`` on: a stored job's
-    definition holds from the first slot at or after the instant it takes
-    effect (docs/runtime-schedules.md, "Slots across an update").
+    """Another schedule's slots between two instants: a job's ``start_at``
+    and ``end_at``, or a stored job's definition from the instant it takes
+    effect (docs/runtime-schedules.md, "When a change holds").
 
     Args:
         inner: the schedule's slots.
-        start_ms: the first instant a slot may have, epoch milliseconds (UTC).
+        start_ms: the first instant a slot may have, epoch milliseconds
+            (UTC), or None.
+        end_ms: the last instant a slot may have, epoch milliseconds (UTC),
+            or None.
     """
 
-    def __init__(self, inner: Slots, start_ms: int) -> None:
+    def __init__(self, inner: Slots, start_ms: int | None, end_ms: int | None = None) -> None:
         self.inner = inner
         self.start_ms = start_ms
+        self.end_ms = end_ms
 
     def next_after(self, after_ms: int) -> int | None:
-        """The inner schedule's first slot after ``after_ms`` and at or
-        after ``start_ms`` (epoch ms UTC), or None."""
-        return self.inner.next_after(max(after_ms, self.start_ms - 1))
+        """The inner schedule's first slot after ``after_ms`` and inside the
+        bounds (epoch ms UTC), or None."""
+        if self.start_ms is not None:
+            after_ms = max(after_ms, self.start_ms - 1)
+        slot = self.inner.next_after(after_ms)
+        if slot is not None and self.end_ms is not None and slot > self.end_ms:
+            return None
+        return slot
 
     def describe(self) -> str:
         """``every 60s from 1970-01-01T00:00:00Z, slots from 2027-01-01T00:00:01Z``."""
-        return f"{self.inner.describe()}, slots from {iso(self.start_ms, exact=True)}"
+        text = self.inner.describe()
+        if self.start_ms is not None:
+            text += f", slots from {iso(self.start_ms, exact=True)}"
+        if self.end_ms is not None:
+            text += f", until {iso(self.end_ms, exact=True)}"
+        return text
 
 
 class CronSlots:

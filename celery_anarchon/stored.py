@@ -214,6 +214,18 @@ def decode_schedule(data: Mapping[str, Any], *, job: str) -> Any:
     raise _error(job, f"unknown stored schedule {dict(data)!r}", "upgrade celery-anarchon")
 
 
+def _portable_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Per-job options with their datetimes as JSON holds them: ``start_at``
+    and ``end_at`` as ISO 8601 texts in UTC, ``anchor`` as epoch seconds (a
+    naive datetime is left for the settings' check to refuse, naming it)."""
+    for key in ("start_at", "end_at", "anchor"):
+        value = options.get(key)
+        if isinstance(value, datetime) and value.utcoffset() is not None:
+            ms = to_ms(value)
+            options[key] = ms / 1000 if key == "anchor" else _iso_ms(ms)
+    return options
+
+
 def _json_value(value: Any, where: str, fix: str) -> Any:
     """``value`` as JSON reads it back (tuples become lists).
 
@@ -289,6 +301,7 @@ class Definition:
                 f"{where}['options']: unknown option(s) {', '.join(unknown)}. Allowed: "
                 f"{', '.join(sorted(SEND_OPTIONS))}."
             )
+        anarchon = _portable_options(dict(anarchon or {}))
         json_fix = "Fix: give strings, numbers, booleans, None, lists and dicts only."
         return cls(
             name=name,

@@ -180,6 +180,11 @@ class ClaimRequest:
             ``"deadline"``. None: the backend stamps it when it sends the
             request (:meth:`Backend.stamp_deadlines`: sent time plus a share
             of its client timeout, in its own time); 0: no deadline.
+        max_runs: the job's cluster-wide run limit, or None: a lease
+            backend wins the claim only while the job's count of won claims
+            is below it, and counts the win in the same atomic step;
+            otherwise it answers ``"finished"`` (take-overs and manual runs
+            do not count; a claim later recorded ``lost`` is not given back).
     """
 
     job: str
@@ -191,6 +196,7 @@ class ClaimRequest:
     history_size: int = 100
     history_ttl_ms: int = 7 * 24 * 3600 * 1000
     deadline_ms: int | None = None
+    max_runs: int | None = None
 
     def past_deadline(self, backend_now_ms: int) -> bool:
         """Whether ``backend_now_ms`` (the backend's clock, epoch ms) is past
@@ -755,6 +761,15 @@ class LeaseBackend(Backend):
         """
 
     @abc.abstractmethod
+    def won_counts(self, jobs: Sequence[str]) -> dict[str, int]:
+        """Each job's count of won claims toward its run limit
+        (:attr:`ClaimRequest.max_runs`), 0 for a job never counted.
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        raise NotImplementedError
+
     def release(self, claims: Sequence[Claim]) -> None:
         """Give back won claims that were not sent (hand-over on shutdown,
         or a batch that could not be sent in time), so another instance can

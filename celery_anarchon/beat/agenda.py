@@ -127,6 +127,9 @@ class Agenda:
         self.unsettled: dict[str, int] = {}
         #: when the first slots were planned, epoch ms
         self._started_ms = 0
+        #: called when a job with an ``end_at`` has no slot left (the
+        #: scheduler records it finished)
+        self.on_end: Callable[[Job], None] = lambda job: None
 
     # -- the heap ----------------------------------------------------------
 
@@ -170,6 +173,8 @@ class Agenda:
     def advance(self, job: Job, slot_ms: int) -> None:
         """Move ``job`` past ``slot_ms`` and plan its next slot."""
         job.next_slot_ms = job.slots.next_after(slot_ms)
+        if job.next_slot_ms is None and job.options.end_at_ms is not None:
+            self.on_end(job)
         self.push_next(job)
 
     def skip_missed(self, job: Job, slot_ms: int, now_ms: int) -> tuple[Job, list[int], int]:
@@ -189,6 +194,8 @@ class Agenda:
         while slot is not None and now_ms > job.deadline_ms(slot):  # beyond the count
             slot = job.slots.next_after(max(slot, now_ms - late_ms))
         job.next_slot_ms = slot
+        if slot is None and job.options.end_at_ms is not None:
+            self.on_end(job)
         self.push_next(job)
         return job, list(newest), total
 

@@ -240,6 +240,7 @@ class Scheduler(beat.Scheduler):
         self._wire(settings)
         self.link.connect(strict=True)
         self.stored.load()
+        self.stored.check_limits()
         self.agenda.plan_first_slots()
         self._setup_done = True
 
@@ -296,6 +297,7 @@ class Scheduler(beat.Scheduler):
             metrics,
             clock,
         )
+        self.agenda.on_end = self.stored.ended
         self._wired = True
 
     def _warn_if_local_only(self, settings: Settings) -> None:
@@ -453,6 +455,9 @@ class Scheduler(beat.Scheduler):
             )
             if claim.reason == "taken":
                 self.take_over.watch(slot.job, claim.slot_ms, now_ms)
+            elif claim.reason == "finished":
+                limit = f"max_runs={slot.job.options.max_runs} reached"
+                self.stored.finished(slot.job, claim.slot_ms, limit)
         sent = self.publisher.send_all(won, claimed_at)
         self.journal.flush_marks()
         if self.link.ready:

@@ -322,6 +322,49 @@ class StoredJobs:
         self._record_pause(job, pause)
         return True
 
+    def finished(self, job: Job, slot_ms: int, reason: str) -> None:
+        """``job`` is finished from ``slot_ms`` on (its run limit is reached,
+        or its ``end_at`` passed): it claims nothing more, and its history
+        records why once, at ``slot_ms`` (every instance records the same
+        slot, if absent). Updating a stored job's bounds builds it anew."""
+        if job.retired_ms is not None and job.retired_ms <= slot_ms:
+            return
+        job.retired_ms = slot_ms
+        job.finished = reason
+        job.next_slot_ms = None  # its planned slot is dropped
+        written = self._journal.record_absent(
+            [(job, slot_ms, State.SKIPPED, f"finished: {reason}")]
+        )
+        if any(written):
+            logger.info("anarchon: %s finished: %s", job.name, reason)
+
+    def ended(self, job: Job) -> None:
+        """``job``'s ``end_at`` passed with no slot left: finished
+        (:meth:`finished`, recorded 1 ms after ``end_at``, where no slot of
+        the job can be: a slot at ``end_at`` itself is a real run)."""
+        end_ms = job.options.end_at_ms
+        if end_ms is not None:
+            self.finished(job, end_ms + 1, f"end_at {iso(end_ms)} passed")
+
+    def check_limits(self) -> None:
+        """At start-up: jobs whose run limit the cluster already reached are
+        finished before their first slot is claimed (no record: the limit's
+        own claim recorded it)."""
+        limited = [job for job in self._jobs.values() if job.options.max_runs is not None]
+        backend = self._link.lease_backend
+        if not limited or backend is None or not self._link.ready:
+            return
+        try:
+            counts = backend.won_counts([job.name for job in limited])
+        except BackendUnavailable as exc:
+            self._link.on_outage(exc)
+            return
+        for job in limited:
+            if counts.get(job.name, 0) >= (job.options.max_runs or 0):
+                job.finished = f"max_runs={job.options.max_runs} reached"
+                job.next_slot_ms = None
+                job.retired_ms = 0
+
     def _record_pause(self, job: Job, pause: Pause) -> None:
         """Record the pause once in the job's history: ``skipped`` at the
         first slot inside it, with the note (every instance picks the same

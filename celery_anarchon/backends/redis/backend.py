@@ -17,6 +17,7 @@ from ..base import AbsentRecord, Claim, ClaimRequest, State
 from .connection import _Client, _flag, _seconds, _wrong_type
 from .scripts import (
     CLAIM,
+    CLAIM_COUNTED,
     EXTEND,
     HOLDING,
     MANUAL,
@@ -190,7 +191,7 @@ class RedisBackend(RedisStored):
         """
         if not requests:
             return []
-        calls = [self._slot_call(CLAIM, r) for r in self.stamp_deadlines(requests)]
+        calls = [self._claim_call(r) for r in self.stamp_deadlines(requests)]
         replies = self._run(calls)
         errors = [r for r in replies if isinstance(r, Exception)]
         if len(errors) == len(replies) and not all(map(_wrong_type, errors)):
@@ -436,6 +437,29 @@ class RedisBackend(RedisStored):
 
     # -- keys ----------------------------------------------------------------
 
+    def _claim_call(self, r: ClaimRequest) -> _Call:
+        """:data:`CLAIM`, or :data:`CLAIM_COUNTED` for a job with a run limit."""
+        if r.max_runs is None:
+            return self._slot_call(CLAIM, r)
+        _, keys, args = self._slot_call(CLAIM_COUNTED, r)
+        return (CLAIM_COUNTED, [*keys, self._won_key(r.job)], [*args, r.max_runs])
+
+    def won_counts(self, jobs: Sequence[str]) -> dict[str, int]:
+        """Each job's count of won claims toward its run limit (0 when none).
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        if not jobs:
+            return {}
+        client = self._require_client()
+        with self._translated("GET won counts"):
+            pipe = client.pipeline(transaction=False)
+            for job in jobs:
+                pipe.get(self._won_key(job))
+            values = pipe.execute()
+        return {job: int(v or 0) for job, v in zip(jobs, values, strict=True)}
+
     def _slot_call(self, script: _Script, r: ClaimRequest) -> _Call:
         args = [
             r.slot_ms,
@@ -464,5 +488,5 @@ def _claim_answer(request: ClaimRequest, reply: Any) -> Claim:
     token = int(reply)
     if token > 0:
         return Claim(request.job, request.slot_ms, won=True, token=token)
-    reason = {-1: "window", -2: "held", -3: "deadline"}.get(token, "taken")
+    reason = {-1: "window", -2: "held", -3: "deadline", -4: "finished"}.get(token, "taken")
     return Claim(request.job, request.slot_ms, won=False, reason=reason)

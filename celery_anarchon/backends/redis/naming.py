@@ -22,6 +22,10 @@ class RedisNaming(LeaseBackend):
         tag = self._tag(job)
         return [f"{tag}:slot:{slot_ms}", f"{tag}:runs", f"{tag}:index"]
 
+    def _won_key(self, job: str) -> str:
+        """The job's count of won claims (a run limit's count, kept for good)."""
+        return f"{self._tag(job)}:won"
+
     def _registry_key(self) -> str:
         return "{" + self.prefix + "}:instances"
 

@@ -546,6 +546,22 @@ def _script(name: str, body: str) -> _Script:
 
 CLAIM = _script("claim", LUA_CLAIM_SCRIPT)
 
+# LUA_CLAIM_SCRIPT for a job with a run limit: KEYS[4] is the job's count of
+# won claims ({PJ}:won, kept for good), ARGV[10] the limit; the claim wins
+# only below it, and counts the win in the same script. Returns -4 when the
+# count reached the limit ("finished").
+LUA_CLAIM_COUNTED_SCRIPT = LUA_CLAIM_SCRIPT.replace(
+    "local token = 1\n",
+    "if tonumber(redis.call('GET', KEYS[4]) or '0') >= tonumber(ARGV[10]) then\n"
+    "    return -4\n"
+    "end\n"
+    "local token = 1\n",
+    1,
+).replace("return token\n", "redis.call('INCR', KEYS[4])\nreturn token\n", 1)
+assert LUA_CLAIM_COUNTED_SCRIPT.count("KEYS[4]") == 2
+
+CLAIM_COUNTED = _script("claim_counted", LUA_CLAIM_COUNTED_SCRIPT)
+
 
 TAKE_OVER = _script("take_over", LUA_TAKE_OVER_SCRIPT)
 
@@ -579,6 +595,7 @@ HOLDING = _script("holding", LUA_HOLDING_SCRIPT)
 
 SCRIPTS = (
     CLAIM,
+    CLAIM_COUNTED,
     TAKE_OVER,
     MARK,
     EXTEND,

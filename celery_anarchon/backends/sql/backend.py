@@ -234,6 +234,11 @@ class SQLBackend(SQLLeases):
             else:
                 rows[slot] = (i, self._claim_row(req, now, token=1))
         ordered = [rows[slot] for slot in sorted(rows)]
+        counted = [(i, row) for i, row in ordered if requests[i].max_runs is not None]
+        if counted:
+            for i, row in counted:
+                answers[i] = self._claim_counted(conn, requests[i], row)
+            ordered = [(i, row) for i, row in ordered if requests[i].max_runs is None]
         claim_rows = [row for _, row in ordered]
         if self.kind == "postgresql" and len(claim_rows) > 1:
             won = self._insert_claims_postgresql(conn, claim_rows)
@@ -246,6 +251,48 @@ class SQLBackend(SQLLeases):
             else:
                 answers[i] = _lost(req.job, req.slot_ms, "taken")
         return [answers[i] for i in range(len(requests))]
+
+    def _claim_counted(self, conn: Connection, req: ClaimRequest, row: dict[str, Any]) -> Claim:
+        """Claim one slot of a job with a run limit, in a savepoint: lock
+        the job's count row first (every claim of the job queues on it, in
+        the batch's sorted order, so two instances cannot both win the
+        limit's last run), then insert the claim and count it; at the limit,
+        nothing is written and the answer is ``"finished"``."""
+        won = self._tables.won
+        assert req.max_runs is not None
+        savepoint = conn.begin_nested()
+        self._insert_if_absent(conn, won, {"job": row["job"], "won": 0})
+        count_query = sa.select(won.c.won).where(won.c.job == row["job"])
+        if self.kind != "sqlite":
+            count_query = count_query.with_for_update()
+        count = int(conn.execute(count_query).scalar_one())
+        if count >= req.max_runs:
+            savepoint.rollback()
+            return _lost(req.job, req.slot_ms, "finished")
+        if not self._insert_if_absent(conn, self._tables.runs, row):
+            savepoint.rollback()
+            return _lost(req.job, req.slot_ms, "taken")
+        conn.execute(sa.update(won).where(won.c.job == row["job"]).values(won=count + 1))
+        savepoint.commit()
+        return Claim(req.job, req.slot_ms, won=True, token=1)
+
+    def won_counts(self, jobs: Sequence[str]) -> dict[str, int]:
+        """Each job's count of won claims toward its run limit (0 when none).
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        won = self._tables.won
+        keys = {key_of(job): job for job in jobs}
+        counts = dict.fromkeys(jobs, 0)
+        with self._read("read won counts") as conn:
+            for start in range(0, len(keys), 500):
+                part = list(keys)[start : start + 500]
+                for key, value in conn.execute(
+                    sa.select(won.c.job, won.c.won).where(won.c.job.in_(part))
+                ):
+                    counts[keys[key]] = int(value)
+        return counts
 
     # -- states --------------------------------------------------------------
 

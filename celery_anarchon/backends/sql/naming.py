@@ -1,4 +1,4 @@
-"""Table and key naming of the SQL backend: the six tables under a prefix, and
+"""Table and key naming of the SQL backend: the seven tables under a prefix, and
 the stored form of job names, manual keys and instance ids.
 """
 
@@ -93,6 +93,7 @@ class _Tables:
     schedules: sa.Table
     meta: sa.Table
     stored: sa.Table
+    won: sa.Table
 
 
 def _ms(name: str, **kw: Any) -> sa.Column[int]:
@@ -167,7 +168,14 @@ def _tables(prefix: str) -> _Tables:
         sa.UniqueConstraint("version", name=f"{prefix}stored_version"),
         **opts,
     )
-    return _Tables(md, runs, manual, instances, schedules, meta, stored)
+    won = sa.Table(
+        f"{prefix}won",
+        md,
+        sa.Column("job", _Key(), primary_key=True),
+        _ms("won", nullable=False),
+        **opts,
+    )
+    return _Tables(md, runs, manual, instances, schedules, meta, stored, won)
 
 
 def _prefix(value: Any) -> str:
