@@ -57,8 +57,8 @@ def check_backend_supports(backend: Backend, settings: Settings, job: Job) -> No
 
     Raises:
         ConfigurationError: on a claim-only backend (RabbitMQ), a job asking
-            for ``lease_ttl``, ``overlap='skip'``, a catch-up policy or an
-            explicit ``history_ttl``; or the backend's own check of the job
+            for ``lease_ttl``, ``overlap='skip'``, a catch-up policy, an
+            explicit ``history_ttl`` or ``max_runs``; or the backend's own check of the job
             (RabbitMQ: ``jitter + max_late + max_skew`` against ``slot_ttl``).
     """
     if backend.supports_leases:
@@ -73,6 +73,8 @@ def check_backend_supports(backend: Backend, settings: Settings, job: Job) -> No
         asked.append(f"catch_up={o.catch_up!r}")
     if "history_ttl" in settings.explicit or "history_ttl" in job.entry.anarchon:
         asked.append("history_ttl (RabbitMQ history is trimmed by size only)")
+    if o.max_runs is not None:
+        asked.append("max_runs (the run count is kept with the leases)")
     if asked:
         raise ConfigurationError(
             f"job {job.name!r}: {', '.join(asked)} need a lease backend; "

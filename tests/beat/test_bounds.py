@@ -116,3 +116,18 @@ def test_the_api_refuses_bad_bounds_and_writes_nothing(lease_url: str) -> None:
         with pytest.raises(ConfigurationError, match=">= 1"):
             schedules.add("x", "t.noop", 60, max_runs=0)
         assert schedules.state().version == 0
+
+
+def test_a_run_limit_needs_a_lease_backend() -> None:
+    """RabbitMQ keeps no count of runs: a job with max_runs is refused there."""
+    from celery_anarchon.backends import backend_from_url
+    from celery_anarchon.checks import check_backend_supports
+    from celery_anarchon.model import Entry, build_jobs
+
+    app = Celery("limits", set_as_current=False)
+    settings = Settings.from_app(app)
+    entry = Entry(name="n", task="t", schedule=60, anarchon={"max_runs": 2}, app=app)
+    job = build_jobs({"n": entry}, settings, timezone.utc)["n"]  # type: ignore[arg-type]
+    backend = backend_from_url("amqp://guest:guest@127.0.0.1:5672//", instance="i")
+    with pytest.raises(ConfigurationError, match="max_runs .* need a lease backend"):
+        check_backend_supports(backend, settings, job)
