@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -38,6 +38,7 @@ __all__ = [
     "app_zone",
     "build_jobs",
     "job_from_stored",
+    "jobs_from_stored",
     "missing_key",
 ]
 
@@ -323,15 +324,47 @@ def job_from_stored(stored: StoredJob, app: Any, settings: Settings, zone: ZoneI
     Raises:
         ConfigurationError: as :func:`build_jobs`, naming the stored job.
     """
-    name = stored.name
+    jobs, errors = jobs_from_stored([stored], app, settings, zone)
+    if errors:
+        raise ConfigurationError(errors[stored.name])
+    return jobs[stored.name]
+
+
+def jobs_from_stored(
+    stored: Iterable[StoredJob], app: Any, settings: Settings, zone: ZoneInfo
+) -> tuple[dict[str, Job], dict[str, str]]:
+    """:func:`job_from_stored` for many stored jobs at once (one
+    :func:`build_jobs` pass: cron parsers shared, as for ``beat_schedule``).
+
+    Returns:
+        ``(jobs, errors)``: the jobs by name, and ``{name: message}`` of
+        those that could not be built.
+    """
+    by_name = {s.name: s for s in stored}
+    entries, errors = {}, {}
+    now = app.now()  # Celery's bookkeeping only (see Scheduler.merge_inplace), read once
+    for name, one in by_name.items():
+        fields = dict(one.definition.entry_fields(), name=name, app=app, last_run_at=now)
+        try:
+            entries[name] = Entry(**fields)
+        except ConfigurationError as exc:
+            errors[name] = _stored_text(str(exc), name)
     try:
-        entry = Entry(**dict(stored.definition.entry_fields(), name=name, app=app))
-        job = build_jobs({name: entry}, settings, zone)[name]
-    except ConfigurationError as exc:
-        raise ConfigurationError(
-            str(exc).replace(f"beat_schedule[{name!r}]", stored_where(name))
-        ) from None
-    job.slots = BoundedSlots(job.slots, stored.effective_ms)
-    job.source = "stored"
-    job.version = stored.version
-    return job
+        jobs = build_jobs(entries, settings, zone)
+    except ConfigurationError:  # one of them is bad: find which, keep the rest
+        jobs = {}
+        for name, entry in entries.items():
+            try:
+                jobs.update(build_jobs({name: entry}, settings, zone))
+            except ConfigurationError as exc:
+                errors[name] = _stored_text(str(exc), name)
+    for name, job in jobs.items():
+        one = by_name[name]
+        job.slots = BoundedSlots(job.slots, one.effective_ms)
+        job.source = "stored"
+        job.version = one.version
+    return jobs, errors
+
+
+def _stored_text(message: str, name: str) -> str:
+    return message.replace(f"beat_schedule[{name!r}]", stored_where(name))

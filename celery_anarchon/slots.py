@@ -37,6 +37,7 @@ classic cron rule, see cron(8) of Vixie cron):
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import threading
@@ -112,6 +113,13 @@ def _zone_name(zone: tzinfo) -> str:
     return str(getattr(zone, "key", None) or getattr(zone, "zone", None) or zone)
 
 
+@functools.lru_cache(maxsize=1024)
+def _interval_text(interval_ms: int, anchor_ms: int) -> str:
+    """:meth:`IntervalSlots.describe`, once per distinct interval and anchor
+    (100,000 jobs share a few)."""
+    return f"every {_seconds_text(interval_ms)} from {iso(anchor_ms, exact=True)}"
+
+
 class Slots(Protocol):
     """The slots of one job: what the scheduler asks of every schedule kind."""
 
@@ -157,7 +165,7 @@ class IntervalSlots:
 
     def describe(self) -> str:
         """``every 60s from 1970-01-01T00:00:00Z``."""
-        return f"every {_seconds_text(self.interval_ms)} from {iso(self.anchor_ms, exact=True)}"
+        return _interval_text(self.interval_ms, self.anchor_ms)
 
 
 class OneoffSlots:

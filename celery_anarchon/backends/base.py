@@ -760,16 +760,18 @@ class LeaseBackend(Backend):
             BackendUnavailable: no answer.
         """
 
-    @abc.abstractmethod
     def won_counts(self, jobs: Sequence[str]) -> dict[str, int]:
         """Each job's count of won claims toward its run limit
-        (:attr:`ClaimRequest.max_runs`), 0 for a job never counted.
+        (:attr:`ClaimRequest.max_runs`), 0 for a job never counted. The
+        backends of this package all keep the count; this default (no
+        count kept) is for a backend that has no run limits.
 
         Raises:
             BackendUnavailable: no answer.
         """
-        raise NotImplementedError
+        return dict.fromkeys(jobs, 0)
 
+    @abc.abstractmethod
     def release(self, claims: Sequence[Claim]) -> None:
         """Give back won claims that were not sent (hand-over on shutdown,
         or a batch that could not be sent in time), so another instance can

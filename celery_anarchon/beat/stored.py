@@ -30,7 +30,7 @@ from ..backends.base import State
 from ..backends.store import JOB, StoredJobsStore, StoredRecord
 from ..exceptions import BackendUnavailable, ConfigurationError
 from ..metrics import Metrics
-from ..model import Job, job_from_stored
+from ..model import Job, job_from_stored, jobs_from_stored
 from ..settings import Settings
 from ..slots import first_slot
 from ..stored import APPLY_DELAY_MS, Pause, StoredState
@@ -129,10 +129,14 @@ class StoredJobs:
             return
         self.loaded = True
         self.state.apply(records)
+        runnable = [s for name, s in self.state.jobs.items() if name not in self.code]
+        built, errors = jobs_from_stored(runnable, self._app, self._settings, self._zone)
         for name in sorted(self.state.jobs):
-            job = self._build(name)
-            if job is not None:
-                self._jobs[name] = job
+            if name in self.code or name in errors:
+                self._build(name)  # warns once, naming the collision or the error
+            else:
+                built[name].pause = self.state.pauses.get(name)
+                self._jobs[name] = built[name]
         for name, pause in self.state.pauses.items():
             job = self._jobs.get(name)
             if job is not None:
@@ -280,14 +284,16 @@ class StoredJobs:
     def _catch_up_pause(self, job: Job, pause: Pause, now_ms: int) -> None:
         """On resume, send the slots the pause held back as the job's
         ``catch_up`` policy asks (``latest``: the newest; ``all``: the newest
-        ``catch_up_limit``, oldest first), inside ``catch_up_window`` and
-        ``max_late`` of now each claim is judged like a catch-up claim."""
+        ``catch_up_limit``, oldest first), inside ``catch_up_window``: the
+        pause's slots up to the instant the resume holds, each claimed as a
+        catch-up claim (once across instances), a slot not yet due when
+        it falls due."""
         o = job.options
         until = pause.until_ms or now_ms
         start = max(pause.from_ms, now_ms - _ms(o.catch_up_window))
         held: list[int] = []
         slot = job.slots.next_after(start - 1)
-        while slot is not None and slot < until and slot <= now_ms:
+        while slot is not None and slot < until:  # a slot after now is sent when due
             held.append(slot)
             if len(held) > 2 * o.catch_up_limit:
                 del held[: o.catch_up_limit]
