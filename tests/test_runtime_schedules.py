@@ -257,3 +257,28 @@ def test_a_backend_outage_during_a_change(tmp_path: Path, own_redis: Any) -> Non
     after = [t for t in range(back_ms + 5000, end_ms - TAIL_MS, 1) if t % 2000 == 0]
     assert after and all(("dyn", t) in sent for t in after), sorted(sent)
     assert added.version < updated.version
+
+
+@pytest.mark.parametrize("name", ["sqlite", "postgresql", "mysql", "redis"])
+def test_a_run_limit_is_exact_with_three_beats(name: str, tmp_path: Path) -> None:
+    """A stored job every 0.5 s with max_runs=5 and a code entry every
+    0.5 s with max_runs=4, racing on three beats: exactly 5 and 4 sends."""
+    require_service("redis")
+    require_service(name)
+    url = backend_for(name, tmp_path)
+    limited = {"code-limited": {"task": "itest.noop", "schedule": 0.5, "anarchon": {"max_runs": 4}}}
+    cluster = start_cluster(url, tmp_path, beat_schedule={**LONG_ONLY, **limited})
+    try:
+        with Schedules(client_app(url, cluster.queue)) as schedules:
+            schedules.add("stored-limited", "itest.noop", 0.5, max_runs=5)
+            time.sleep(6)
+            stored_history = schedules.backend.history("stored-limited")
+        cluster.stop()
+        sent = count_sent(cluster.read_sent())
+    finally:
+        cluster.stop()
+    per_job = Counter(job for job, _ in sent.elements())
+    assert per_job["stored-limited"] == 5, sorted(sent)
+    assert per_job["code-limited"] == 4, sorted(sent)
+    finished = [r for r in stored_history if (r.error or "").startswith("finished")]
+    assert len(finished) == 1 and "max_runs=5 reached" in (finished[0].error or "")

@@ -456,8 +456,7 @@ class Scheduler(beat.Scheduler):
             if claim.reason == "taken":
                 self.take_over.watch(slot.job, claim.slot_ms, now_ms)
             elif claim.reason == "finished":
-                limit = f"max_runs={slot.job.options.max_runs} reached"
-                self.stored.finished(slot.job, claim.slot_ms, limit)
+                self.stored.limit_reached(slot.job, claim.slot_ms)
         sent = self.publisher.send_all(won, claimed_at)
         self.journal.flush_marks()
         if self.link.ready:

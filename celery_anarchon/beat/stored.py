@@ -42,6 +42,11 @@ from .link import BackendLink
 
 __all__ = ["POLL_INTERVAL", "StoredJobs"]
 
+#: States of a record that was a won claim (a run that counts).
+RUN_STATES = frozenset(
+    {State.CLAIMED, State.SENT, State.RUNNING, State.SUCCEEDED, State.FAILED, State.LOST}
+)
+
 logger = logging.getLogger(__name__)
 
 #: Longest beat sleeps between two reads of the change counter on a backend
@@ -343,6 +348,25 @@ class StoredJobs:
         )
         if any(written):
             logger.info("anarchon: %s finished: %s", job.name, reason)
+
+    def limit_reached(self, job: Job, refused_ms: int) -> None:
+        """The backend refused a claim of ``job`` at ``refused_ms``: its run
+        limit is reached. Finished (:meth:`finished`), recorded at the slot
+        after its last run, which every instance finds the same in the
+        history (the refused slot itself differs between instances)."""
+        if job.finished:
+            return
+        at = refused_ms
+        backend = self._link.backend
+        try:
+            runs = backend.history(job.name, 50) if backend is not None else []
+        except BackendUnavailable as exc:
+            self._link.on_outage(exc)
+            runs = []
+        last = next((r.slot_ms for r in runs if r.state in RUN_STATES and not r.manual_key), None)
+        if last is not None:
+            at = job.slots.next_after(last) or refused_ms
+        self.finished(job, min(at, refused_ms), f"max_runs={job.options.max_runs} reached")
 
     def ended(self, job: Job) -> None:
         """``job``'s ``end_at`` passed with no slot left: finished
