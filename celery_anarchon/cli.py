@@ -34,13 +34,12 @@ Exit codes (the same for every command):
 from __future__ import annotations
 
 import difflib
-import functools
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone, tzinfo
-from typing import Any, NoReturn, TypeVar
+from typing import Any
 from zoneinfo import ZoneInfo
 
 import click
@@ -49,8 +48,20 @@ from .backends import sanitize_url
 from .backends.base import Backend, InstanceInfo, RunRecord
 from .beat.registry import HEARTBEAT_INTERVAL, schedule_fingerprint
 from .checks import CheckResult, Probe, has_clock, one_line, probe_backend, run_check
+from .cli_common import (
+    EXIT_CONFIG,
+    EXIT_OK,
+    EXIT_PROBLEM,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    Fail,
+    app_of,
+    handled,
+    json_option,
+    schedule_file,
+)
 from .control import Control
-from .exceptions import BackendMissing, BackendUnavailable, ConfigurationError
+from .exceptions import BackendUnavailable, ConfigurationError
 from .model import Job, app_zone
 from .slots import CronSlots, IntervalSlots, Slots
 
@@ -63,101 +74,16 @@ __all__ = [
     "EXIT_CONFIG",
 ]
 
-#: Exit codes, see the module docstring.
-EXIT_OK = 0
-EXIT_PROBLEM = 1
-EXIT_USAGE = 2
-EXIT_UNREACHABLE = 3
-EXIT_CONFIG = 4
-
 #: How many upcoming slots ``jobs`` shows per job.
 NEXT_SLOTS = 3
 
 #: A heartbeat older than this is reported as stale by ``status``, seconds.
 STALE_HEARTBEAT_S = 3 * HEARTBEAT_INTERVAL
 
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-class _Fail(Exception):
-    """Ends a command with ``code`` and a one-line ``message``."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-def _handled(func: _F) -> _F:
-    """Turn backend and configuration errors into a one-line message and
-    the documented exit code (JSON ``{"error", "exit_code"}`` with --json)."""
-
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        as_json = bool(kwargs.get("as_json"))
-        try:
-            return func(*args, **kwargs)
-        except _Fail as exc:
-            _exit(exc.code, exc.message, as_json)
-        except BackendMissing as exc:
-            _exit(EXIT_UNREACHABLE, f"no claim backend: {one_line(exc)}", as_json)
-        except BackendUnavailable as exc:
-            _exit(EXIT_UNREACHABLE, f"claim backend unreachable: {one_line(exc)}", as_json)
-        except ConfigurationError as exc:
-            _exit(
-                EXIT_CONFIG,
-                f"configuration error: {one_line(exc)} "
-                "(`celery -A proj anarchon check` lists every problem)",
-                as_json,
-            )
-
-    return wrapper  # type: ignore[return-value]
-
-
-def _exit(code: int, message: str, as_json: bool) -> NoReturn:
-    if as_json:
-        click.echo(json.dumps({"error": message, "exit_code": code}))
-    else:
-        click.echo(f"celery anarchon: {message}", err=True)
-    raise click.exceptions.Exit(code)
-
-
-json_option = click.option(
-    "--json", "as_json", is_flag=True, help="Print one JSON object (for scripts)."
-)
-
-
-def _app(ctx: click.Context) -> Any:
-    """The Celery app, from Celery's CLI context (``ctx.obj.app``, as
-    Celery's own commands get it)."""
-    obj = ctx.obj
-    app = getattr(obj, "app", None)
-    if app is None or _is_celery_default_app(app):
-        raise click.UsageError(
-            "no app given: run it as `celery -A proj anarchon ...`, with -A naming the "
-            "module of your Celery app (the one beat runs with)",
-            ctx=ctx,
-        )
-    return app
-
-
-def _is_celery_default_app(app: Any) -> bool:
-    """True for the app Celery falls back to without ``-A``: it has no
-    ``beat_schedule`` and no ``anarchon_backend``, so a command on it would
-    report an empty cluster (and, for SQLite, read a file beside the
-    current folder)."""
-    from celery import _state
-
-    return (
-        app is _state.default_app
-        and not app.conf.beat_schedule
-        and app.conf.get("anarchon_backend") is None
-    )
-
 
 def _control(ctx: click.Context) -> Control:
     """A :class:`Control` over the app (builds the backend, connects nothing)."""
-    return Control(_app(ctx), schedule_filename=ctx.meta.get("anarchon.schedule"))
+    return Control(app_of(ctx), schedule_filename=schedule_file(ctx))
 
 
 # -- formatting ----------------------------------------------------------------
@@ -242,7 +168,7 @@ def anarchon(ctx: click.Context, schedule_filename: str | None) -> None:
 @anarchon.command()
 @json_option
 @click.pass_context
-@_handled
+@handled
 def jobs(ctx: click.Context, as_json: bool) -> None:
     """Every job: schedule, time zone, next slots (local and UTC), options.
 
@@ -363,7 +289,7 @@ def _options_text(options: Mapping[str, Any]) -> str:
 )
 @json_option
 @click.pass_context
-@_handled
+@handled
 def history(ctx: click.Context, job: str, limit: int, as_json: bool) -> None:
     """JOB's runs, newest slot first: state, instance, times, task id, error.
 
@@ -376,7 +302,7 @@ def history(ctx: click.Context, job: str, limit: int, as_json: bool) -> None:
         records = control.history(job, limit)
         known = job in control.jobs
         if not records and not known:
-            raise _Fail(EXIT_USAGE, _unknown_job(job, control))
+            raise Fail(EXIT_USAGE, _unknown_job(job, control))
         if as_json:
             click.echo(
                 json.dumps(
@@ -438,14 +364,14 @@ def _unknown_job(job: str, control: Control) -> str:
 @click.argument("job")
 @json_option
 @click.pass_context
-@_handled
+@handled
 def last_run(ctx: click.Context, job: str, as_json: bool) -> None:
     """The newest run of JOB that was really sent (exit 1 when there is none)."""
     with _control(ctx) as control:
         control.require_backend()
         record = control.last_run(job)
         if record is None and job not in control.jobs and not control.history(job, 1):
-            raise _Fail(EXIT_USAGE, _unknown_job(job, control))
+            raise Fail(EXIT_USAGE, _unknown_job(job, control))
         if as_json:
             click.echo(json.dumps({"job": job, "run": record and _record_json(record)}))
         elif record is None:
@@ -482,7 +408,7 @@ def last_run(ctx: click.Context, job: str, as_json: bool) -> None:
 )
 @json_option
 @click.pass_context
-@_handled
+@handled
 def run_now(ctx: click.Context, job: str, key: str | None, as_json: bool) -> None:
     """Send JOB's task now, once per --key across all hosts; prints the task id.
 
@@ -493,13 +419,13 @@ def run_now(ctx: click.Context, job: str, key: str | None, as_json: bool) -> Non
     """
     with _control(ctx) as control:
         if job not in control.jobs:
-            raise _Fail(EXIT_USAGE, _unknown_job(job, control).replace(" and no history of it", ""))
+            raise Fail(EXIT_USAGE, _unknown_job(job, control).replace(" and no history of it", ""))
         try:
             result = control.run_now(job, key)
         except (BackendUnavailable, ConfigurationError):
             raise
         except Exception as exc:
-            raise _Fail(
+            raise Fail(
                 EXIT_PROBLEM,
                 f"{job}: claimed, but the broker refused the task ({one_line(exc)}); "
                 "recorded as lost, not sent",
@@ -544,7 +470,7 @@ class _Status:
 @anarchon.command()
 @json_option
 @click.pass_context
-@_handled
+@handled
 def status(ctx: click.Context, as_json: bool) -> None:
     """The backend, its round trip, the live instances and their clocks.
 
@@ -724,7 +650,7 @@ def check(ctx: click.Context, connect: bool, as_json: bool) -> None:
     setting and the fix. Exit 0 when all is valid, 1 on any problem, 3 when
     --connect finds the backend unreachable. For CI and deploy hooks.
     """
-    result = run_check(_app(ctx), ctx.meta.get("anarchon.schedule"), connect)
+    result = run_check(app_of(ctx), schedule_file(ctx), connect)
     if as_json:
         click.echo(json.dumps({"ok": not result.problems, **asdict(result)}))
     else:
