@@ -3,7 +3,7 @@
 Registered through the ``celery.commands`` entry point, so ``celery -A proj
 anarchon --help`` lists the commands::
 
-    celery -A proj anarchon jobs              # schedules, zones, next slots, options
+    celery -A proj anarchon jobs              # code and stored jobs: pause, next slots, last state
     celery -A proj anarchon history JOB       # newest runs first
     celery -A proj anarchon last-run JOB      # the newest run really sent
     celery -A proj anarchon run-now JOB       # send now, once per --key
@@ -25,7 +25,8 @@ Exit codes (the same for every command):
 2     Usage: a bad option or argument, an unknown job, no ``-A`` (Celery's
       empty default app).
 3     The claim backend is unreachable, or (SQLite) its file does not
-      exist yet: the reading commands never create it.
+      exist yet: the reading commands never create it (``jobs`` lists
+      the ``beat_schedule`` entries before it exits 3).
 4     The app's configuration cannot be loaded (a bad setting or
       schedule); ``check`` lists every problem.
 ====  ==================================================================
@@ -63,7 +64,7 @@ from .cli_common import (
 from .control import Control
 from .exceptions import BackendUnavailable, ConfigurationError
 from .model import Job, app_zone
-from .slots import CronSlots, IntervalSlots, Slots
+from .slots import BoundedSlots, CronSlots, IntervalSlots, Slots
 
 __all__ = [
     "anarchon",
@@ -170,60 +171,131 @@ def anarchon(ctx: click.Context, schedule_filename: str | None) -> None:
 @click.pass_context
 @handled
 def jobs(ctx: click.Context, as_json: bool) -> None:
-    """Every job: schedule, time zone, next slots (local and UTC), options.
+    """Every job, code entries and stored jobs: source, paused state,
+    schedule, time zone, next slots (local and UTC), last state, options.
 
-    Connects to nothing: the slots are computed from the schedules alone.
+    Reads the stored jobs, pause states and each job's newest history
+    record from the backend, creating nothing; the slots are computed from
+    the schedules alone. Exit 3 when the backend is unreachable, after
+    listing the beat_schedule entries (without pause or last states).
     """
     with _control(ctx) as control:
         zone = app_zone(control.app)
         now_ms = int(time.time() * 1000)
         backend = control.backend
-        described = [_describe_job(job, backend, zone, now_ms) for job in control.jobs.values()]
+        error = None
+        try:
+            found = control.jobs
+            last = {name: next(iter(control.history(name, 1)), None) for name in found}
+        except BackendUnavailable as exc:
+            error = f"claim backend unreachable: {one_line(exc)}"
+            found, last = control.code_jobs, {}
+        described = [
+            _describe_job(job, backend, zone, now_ms, last.get(job.name)) for job in found.values()
+        ]
         if as_json:
-            click.echo(
-                json.dumps(
-                    {
-                        "backend": backend.describe(),
-                        "supports_leases": backend.supports_leases,
-                        "zone": _zone_name(zone),
-                        "now_ms": now_ms,
-                        "jobs": described,
-                    }
+            payload = {
+                "backend": backend.describe(),
+                "supports_leases": backend.supports_leases,
+                "stored_jobs": control.keeps_stored_jobs,
+                "zone": _zone_name(zone),
+                "now_ms": now_ms,
+                "jobs": described,
+                "stored_problems": control.stored_problems,
+            }
+            if error is not None:
+                payload.update(error=error, exit_code=EXIT_UNREACHABLE)
+            click.echo(json.dumps(payload))
+        else:
+            _print_jobs(control, described, zone, now_ms)
+        if error is not None:
+            if not as_json:
+                click.echo(
+                    f"celery anarchon: {error}; stored jobs, pause and last states not shown",
+                    err=True,
                 )
-            )
-            return
-        kind = "lease backend" if backend.supports_leases else "claim-only backend"
-        click.echo(f"backend: {backend.describe()} ({kind})")
-        click.echo(f"app time zone: {_zone_name(zone)}   now: {_utc(now_ms)}")
-        click.echo(f"{len(described)} job(s)")
-        for item in described:
-            click.echo("")
-            click.echo(item["name"])
-            click.echo(f"  task      {item['task']}")
-            click.echo(f"  schedule  {item['schedule']}")
-            click.echo(f"  zone      {item['zone']}")
-            nexts = item["next"] or [{"local": "(no more slots)", "utc": ""}]
-            for i, slot in enumerate(nexts):
-                label = "next" if i == 0 else ""
-                click.echo(f"  {label:<8}  {slot['local']:<30}  {slot['utc']}".rstrip())
-            if "gate_queue" in item:
-                click.echo(f"  gate      {item['gate_queue']}")
-            click.echo(f"  options   {_options_text(item['options'])}")
+            raise click.exceptions.Exit(EXIT_UNREACHABLE)
 
 
-def _describe_job(job: Job, backend: Backend, app_zone_: ZoneInfo, now_ms: int) -> dict[str, Any]:
-    zone: tzinfo = getattr(job.slots, "zone", None) or app_zone_
+def _print_jobs(
+    control: Control, described: Sequence[dict[str, Any]], zone: ZoneInfo, now_ms: int
+) -> None:
+    backend = control.backend
+    kind = "lease backend" if backend.supports_leases else "claim-only backend"
+    click.echo(f"backend: {backend.describe()} ({kind})")
+    click.echo(f"app time zone: {_zone_name(zone)}   now: {_utc(now_ms)}")
+    stored = sum(item["source"] == "stored" for item in described)
+    click.echo(f"{len(described)} job(s), {stored} stored")
+    if described:
+        click.echo("")
+        rows = [
+            [
+                item["name"],
+                item["source"],
+                _paused_text(item),
+                item["next"][0]["utc"] if item["next"] else "-",
+                item["last_state"] or "-",
+                item["schedule"],
+                item["zone"],
+            ]
+            for item in described
+        ]
+        headers = ["JOB", "SOURCE", "PAUSED", "NEXT (UTC)", "LAST", "SCHEDULE", "ZONE"]
+        click.echo(_table(headers, rows))
+    for item in described:
+        click.echo("")
+        click.echo(item["name"])
+        source = f"stored, version {item['version']}" if item["source"] == "stored" else "code"
+        click.echo(f"  source    {source}")
+        click.echo(f"  task      {item['task']}")
+        click.echo(f"  schedule  {item['schedule']}")
+        click.echo(f"  zone      {item['zone']}")
+        if item["paused"]:
+            click.echo(f"  paused    {_paused_text(item)} (no slot is sent until `resume`)")
+        nexts = item["next"] or [{"local": "(no more slots)", "utc": ""}]
+        for i, slot in enumerate(nexts):
+            label = "next" if i == 0 else ""
+            click.echo(f"  {label:<8}  {slot['local']:<30}  {slot['utc']}".rstrip())
+        if item["last_state"]:
+            click.echo(f"  last      {item['last_state']} (slot {_utc(item['last_slot_ms'])})")
+        if "gate_queue" in item:
+            click.echo(f"  gate      {item['gate_queue']}")
+        click.echo(f"  options   {_options_text(item['options'])}")
+    for name, problem in sorted(control.stored_problems.items()):
+        click.echo("")
+        click.echo(f"note: stored job {name!r} is not listed: {problem}")
+
+
+def _paused_text(item: Mapping[str, Any]) -> str:
+    if not item["paused"]:
+        return "-"
+    return f"yes: {item['pause_note']}" if item["pause_note"] else "yes"
+
+
+def _describe_job(
+    job: Job, backend: Backend, app_zone_: ZoneInfo, now_ms: int, last: RunRecord | None
+) -> dict[str, Any]:
+    # A stored job's slots start at its effective time: show its schedule.
+    schedule = job.slots.inner if isinstance(job.slots, BoundedSlots) else job.slots
+    zone: tzinfo = getattr(schedule, "zone", None) or app_zone_
     slots: list[int] = []
     slot = job.slots.next_after(now_ms)
     while slot is not None and len(slots) < NEXT_SLOTS:
         slots.append(slot)
         slot = job.slots.next_after(slot)
+    paused = job.pause is not None and job.pause.paused
     described: dict[str, Any] = {
         "name": job.name,
+        "source": job.source,
+        "version": job.version,
+        "paused": paused,
+        "pause_note": job.pause.note if paused and job.pause is not None else None,
         "task": job.entry.task,
-        "schedule": _schedule_text(job.slots),
+        "schedule": _schedule_text(schedule),
         "zone": _zone_name(zone),
         "next": [{"slot_ms": s, "utc": _utc(s), "local": _local(s, zone)} for s in slots],
+        "last_state": None if last is None else last.state.value,
+        "last_slot_ms": None if last is None else last.slot_ms,
         "options": job.options.as_dict(),
         "definition": job.definition,
     }
@@ -294,27 +366,28 @@ def history(ctx: click.Context, job: str, limit: int, as_json: bool) -> None:
     """JOB's runs, newest slot first: state, instance, times, task id, error.
 
     Times after the slot are shown in seconds relative to the slot (epoch
-    milliseconds in --json). Exit 2 when JOB is neither in beat_schedule nor
-    in the backend's history.
+    milliseconds in --json). Exit 2 when JOB is neither in beat_schedule,
+    nor a stored job, nor in the backend's history.
     """
     with _control(ctx) as control:
         control.require_backend()
         records = control.history(job, limit)
-        known = job in control.jobs
-        if not records and not known:
+        found = control.jobs.get(job)
+        if not records and found is None:
             raise Fail(EXIT_USAGE, _unknown_job(job, control))
         if as_json:
             click.echo(
                 json.dumps(
                     {
                         "job": job,
-                        "in_beat_schedule": known,
+                        "in_beat_schedule": job in control.code_jobs,
+                        "source": None if found is None else found.source,
                         "records": [_record_json(r) for r in records],
                     }
                 )
             )
             return
-        note = "" if known else " (no longer in beat_schedule)"
+        note = "" if found is not None else " (no longer in beat_schedule nor stored)"
         if not records:
             # Say where we looked: the SQLite default lives beside the
             # schedule file, so a command run from another folder reads
@@ -353,11 +426,18 @@ def _record_json(record: RunRecord) -> dict[str, Any]:
     return {**record.as_dict(), "slot": _utc(record.slot_ms)}
 
 
-def _unknown_job(job: str, control: Control) -> str:
+def _unknown_job(job: str, control: Control, *, history: bool = True) -> str:
+    """Why ``job`` is unknown, with a "did you mean" and the known jobs; a
+    stored job this host cannot build says why instead."""
+    if job in control.stored_problems:
+        return f"stored job {job!r} cannot be used here: {control.stored_problems[job]}"
     close = difflib.get_close_matches(job, list(control.jobs), n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     known = ", ".join(sorted(control.jobs)) or "none"
-    return f"no job named {job!r} in beat_schedule and no history of it.{hint} Jobs: {known}."
+    where = f"no job named {job!r} in beat_schedule nor among the stored jobs"
+    if history:
+        where += ", and no history of it"
+    return f"{where}.{hint} Jobs: {known}."
 
 
 @anarchon.command(name="last-run")
@@ -410,7 +490,8 @@ def last_run(ctx: click.Context, job: str, as_json: bool) -> None:
 @click.pass_context
 @handled
 def run_now(ctx: click.Context, job: str, key: str | None, as_json: bool) -> None:
-    """Send JOB's task now, once per --key across all hosts; prints the task id.
+    """Send JOB's task now (a beat_schedule entry or a stored job), once per
+    --key across all hosts; prints the task id.
 
     Exit 0 when this call sent it; 1 when a call with the same key already
     did (the task id printed is that run's), a call without --key came less
@@ -419,7 +500,7 @@ def run_now(ctx: click.Context, job: str, key: str | None, as_json: bool) -> Non
     """
     with _control(ctx) as control:
         if job not in control.jobs:
-            raise Fail(EXIT_USAGE, _unknown_job(job, control).replace(" and no history of it", ""))
+            raise Fail(EXIT_USAGE, _unknown_job(job, control, history=False))
         try:
             result = control.run_now(job, key)
         except (BackendUnavailable, ConfigurationError):
@@ -491,7 +572,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
             backend_clock=has_clock(backend),
             max_skew_s=control.settings.max_skew,
             probe=probe,
-            local_fingerprint=schedule_fingerprint(control.jobs),
+            local_fingerprint=schedule_fingerprint(control.code_jobs),
         )
         if backend.supports_leases:
             live = control.instances()
