@@ -9,6 +9,8 @@ anarchon --help`` lists the commands::
     celery -A proj anarchon run-now JOB       # send now, once per --key
     celery -A proj anarchon status            # backend, live instances, clocks, drift
     celery -A proj anarchon check             # validate settings and schedules
+    celery -A proj anarchon add NAME ...      # store a job (celery_anarchon.cli_schedules)
+    celery -A proj anarchon pause NAME        # also update, remove, resume
 
 Every command prints human-readable text by default and one JSON object with
 ``--json``. Credentials in URLs are always masked.
@@ -23,7 +25,11 @@ Exit codes (the same for every command):
       different instances); ``last-run`` found no run; ``run-now`` did
       not send (the key was used before, or the broker refused the task).
 2     Usage: a bad option or argument, an unknown job, no ``-A`` (Celery's
-      empty default app).
+      empty default app); for ``add``, ``update``, ``remove``, ``pause``
+      and ``resume`` also a refused definition, a name taken, a
+      ``beat_schedule`` entry to update or remove, or a claim-only backend
+      (RabbitMQ), which keeps no stored jobs
+      (:mod:`celery_anarchon.cli_schedules`).
 3     The claim backend is unreachable, or (SQLite) its file does not
       exist yet: the reading commands never create it (``jobs`` lists
       the ``beat_schedule`` entries before it exits 3).
@@ -61,6 +67,7 @@ from .cli_common import (
     json_option,
     schedule_file,
 )
+from .cli_schedules import COMMANDS as SCHEDULE_COMMANDS
 from .control import Control
 from .exceptions import BackendUnavailable, ConfigurationError
 from .model import Job, app_zone
@@ -154,11 +161,12 @@ def _zone_name(zone: tzinfo) -> str:
 )
 @click.pass_context
 def anarchon(ctx: click.Context, schedule_filename: str | None) -> None:
-    """Inspect and operate celery-anarchon: jobs, history, runs, instances.
+    """Inspect and operate celery-anarchon: jobs, history, runs, instances;
+    add, update, pause, resume and remove jobs at runtime.
 
     Exit codes: 0 OK; 1 a problem found (check, status warnings, no last
-    run, run-now not sent); 2 usage; 3 claim backend unreachable; 4 the
-    configuration cannot be loaded.
+    run, run-now not sent); 2 usage, a refused definition or name; 3 claim
+    backend unreachable; 4 the configuration cannot be loaded.
     """
     ctx.meta["anarchon.schedule"] = schedule_filename
 
@@ -762,3 +770,9 @@ def _print_check(result: CheckResult, connect: bool) -> None:
         click.echo(f"{len(result.problems)} problem(s): fix them before starting beat.")
     else:
         click.echo("OK: beat would start with this configuration.")
+
+
+# -- add, update, remove, pause, resume (celery_anarchon.cli_schedules) ----------
+
+for _command in SCHEDULE_COMMANDS:
+    anarchon.add_command(_command)
