@@ -3,12 +3,14 @@
 Registered through the ``celery.commands`` entry point, so ``celery -A proj
 anarchon --help`` lists the commands::
 
-    celery -A proj anarchon jobs              # schedules, zones, next slots, options
+    celery -A proj anarchon jobs              # code and stored jobs: pause, next slots, last state
     celery -A proj anarchon history JOB       # newest runs first
     celery -A proj anarchon last-run JOB      # the newest run really sent
     celery -A proj anarchon run-now JOB       # send now, once per --key
     celery -A proj anarchon status            # backend, live instances, clocks, drift
     celery -A proj anarchon check             # validate settings and schedules
+    celery -A proj anarchon add NAME ...      # store a job (celery_anarchon.cli_schedules)
+    celery -A proj anarchon pause NAME        # also update, remove, resume
 
 Every command prints human-readable text by default and one JSON object with
 ``--json``. Credentials in URLs are always masked.
@@ -23,9 +25,14 @@ Exit codes (the same for every command):
       different instances); ``last-run`` found no run; ``run-now`` did
       not send (the key was used before, or the broker refused the task).
 2     Usage: a bad option or argument, an unknown job, no ``-A`` (Celery's
-      empty default app).
+      empty default app); for ``add``, ``update``, ``remove``, ``pause``
+      and ``resume`` also a refused definition, a name taken, a
+      ``beat_schedule`` entry to update or remove, or a claim-only backend
+      (RabbitMQ), which keeps no stored jobs
+      (:mod:`celery_anarchon.cli_schedules`).
 3     The claim backend is unreachable, or (SQLite) its file does not
-      exist yet: the reading commands never create it.
+      exist yet: the reading commands never create it (``jobs`` lists
+      the ``beat_schedule`` entries before it exits 3).
 4     The app's configuration cannot be loaded (a bad setting or
       schedule); ``check`` lists every problem.
 ====  ==================================================================
@@ -34,13 +41,12 @@ Exit codes (the same for every command):
 from __future__ import annotations
 
 import difflib
-import functools
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone, tzinfo
-from typing import Any, NoReturn, TypeVar
+from typing import Any
 from zoneinfo import ZoneInfo
 
 import click
@@ -49,10 +55,23 @@ from .backends import sanitize_url
 from .backends.base import Backend, InstanceInfo, RunRecord
 from .beat.registry import HEARTBEAT_INTERVAL, schedule_fingerprint
 from .checks import CheckResult, Probe, has_clock, one_line, probe_backend, run_check
+from .cli_common import (
+    EXIT_CONFIG,
+    EXIT_OK,
+    EXIT_PROBLEM,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    Fail,
+    app_of,
+    handled,
+    json_option,
+    schedule_file,
+)
+from .cli_schedules import COMMANDS as SCHEDULE_COMMANDS
 from .control import Control
-from .exceptions import BackendMissing, BackendUnavailable, ConfigurationError
+from .exceptions import BackendUnavailable, ConfigurationError
 from .model import Job, app_zone
-from .slots import CronSlots, IntervalSlots, Slots
+from .slots import BoundedSlots, CronSlots, IntervalSlots, Slots
 
 __all__ = [
     "anarchon",
@@ -63,101 +82,16 @@ __all__ = [
     "EXIT_CONFIG",
 ]
 
-#: Exit codes, see the module docstring.
-EXIT_OK = 0
-EXIT_PROBLEM = 1
-EXIT_USAGE = 2
-EXIT_UNREACHABLE = 3
-EXIT_CONFIG = 4
-
 #: How many upcoming slots ``jobs`` shows per job.
 NEXT_SLOTS = 3
 
 #: A heartbeat older than this is reported as stale by ``status``, seconds.
 STALE_HEARTBEAT_S = 3 * HEARTBEAT_INTERVAL
 
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-class _Fail(Exception):
-    """Ends a command with ``code`` and a one-line ``message``."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-def _handled(func: _F) -> _F:
-    """Turn backend and configuration errors into a one-line message and
-    the documented exit code (JSON ``{"error", "exit_code"}`` with --json)."""
-
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        as_json = bool(kwargs.get("as_json"))
-        try:
-            return func(*args, **kwargs)
-        except _Fail as exc:
-            _exit(exc.code, exc.message, as_json)
-        except BackendMissing as exc:
-            _exit(EXIT_UNREACHABLE, f"no claim backend: {one_line(exc)}", as_json)
-        except BackendUnavailable as exc:
-            _exit(EXIT_UNREACHABLE, f"claim backend unreachable: {one_line(exc)}", as_json)
-        except ConfigurationError as exc:
-            _exit(
-                EXIT_CONFIG,
-                f"configuration error: {one_line(exc)} "
-                "(`celery -A proj anarchon check` lists every problem)",
-                as_json,
-            )
-
-    return wrapper  # type: ignore[return-value]
-
-
-def _exit(code: int, message: str, as_json: bool) -> NoReturn:
-    if as_json:
-        click.echo(json.dumps({"error": message, "exit_code": code}))
-    else:
-        click.echo(f"celery anarchon: {message}", err=True)
-    raise click.exceptions.Exit(code)
-
-
-json_option = click.option(
-    "--json", "as_json", is_flag=True, help="Print one JSON object (for scripts)."
-)
-
-
-def _app(ctx: click.Context) -> Any:
-    """The Celery app, from Celery's CLI context (``ctx.obj.app``, as
-    Celery's own commands get it)."""
-    obj = ctx.obj
-    app = getattr(obj, "app", None)
-    if app is None or _is_celery_default_app(app):
-        raise click.UsageError(
-            "no app given: run it as `celery -A proj anarchon ...`, with -A naming the "
-            "module of your Celery app (the one beat runs with)",
-            ctx=ctx,
-        )
-    return app
-
-
-def _is_celery_default_app(app: Any) -> bool:
-    """True for the app Celery falls back to without ``-A``: it has no
-    ``beat_schedule`` and no ``anarchon_backend``, so a command on it would
-    report an empty cluster (and, for SQLite, read a file beside the
-    current folder)."""
-    from celery import _state
-
-    return (
-        app is _state.default_app
-        and not app.conf.beat_schedule
-        and app.conf.get("anarchon_backend") is None
-    )
-
 
 def _control(ctx: click.Context) -> Control:
     """A :class:`Control` over the app (builds the backend, connects nothing)."""
-    return Control(_app(ctx), schedule_filename=ctx.meta.get("anarchon.schedule"))
+    return Control(app_of(ctx), schedule_filename=schedule_file(ctx))
 
 
 # -- formatting ----------------------------------------------------------------
@@ -227,11 +161,12 @@ def _zone_name(zone: tzinfo) -> str:
 )
 @click.pass_context
 def anarchon(ctx: click.Context, schedule_filename: str | None) -> None:
-    """Inspect and operate celery-anarchon: jobs, history, runs, instances.
+    """Inspect and operate celery-anarchon: jobs, history, runs, instances;
+    add, update, pause, resume and remove jobs at runtime.
 
     Exit codes: 0 OK; 1 a problem found (check, status warnings, no last
-    run, run-now not sent); 2 usage; 3 claim backend unreachable; 4 the
-    configuration cannot be loaded.
+    run, run-now not sent); 2 usage, a refused definition or name; 3 claim
+    backend unreachable; 4 the configuration cannot be loaded.
     """
     ctx.meta["anarchon.schedule"] = schedule_filename
 
@@ -242,62 +177,133 @@ def anarchon(ctx: click.Context, schedule_filename: str | None) -> None:
 @anarchon.command()
 @json_option
 @click.pass_context
-@_handled
+@handled
 def jobs(ctx: click.Context, as_json: bool) -> None:
-    """Every job: schedule, time zone, next slots (local and UTC), options.
+    """Every job, code entries and stored jobs: source, paused state,
+    schedule, time zone, next slots (local and UTC), last state, options.
 
-    Connects to nothing: the slots are computed from the schedules alone.
+    Reads the stored jobs, pause states and each job's newest history
+    record from the backend, creating nothing; the slots are computed from
+    the schedules alone. Exit 3 when the backend is unreachable, after
+    listing the beat_schedule entries (without pause or last states).
     """
     with _control(ctx) as control:
         zone = app_zone(control.app)
         now_ms = int(time.time() * 1000)
         backend = control.backend
-        described = [_describe_job(job, backend, zone, now_ms) for job in control.jobs.values()]
+        error = None
+        try:
+            found = control.jobs
+            last = {name: next(iter(control.history(name, 1)), None) for name in found}
+        except BackendUnavailable as exc:
+            error = f"claim backend unreachable: {one_line(exc)}"
+            found, last = control.code_jobs, {}
+        described = [
+            _describe_job(job, backend, zone, now_ms, last.get(job.name)) for job in found.values()
+        ]
         if as_json:
-            click.echo(
-                json.dumps(
-                    {
-                        "backend": backend.describe(),
-                        "supports_leases": backend.supports_leases,
-                        "zone": _zone_name(zone),
-                        "now_ms": now_ms,
-                        "jobs": described,
-                    }
+            payload = {
+                "backend": backend.describe(),
+                "supports_leases": backend.supports_leases,
+                "stored_jobs": control.keeps_stored_jobs,
+                "zone": _zone_name(zone),
+                "now_ms": now_ms,
+                "jobs": described,
+                "stored_problems": control.stored_problems,
+            }
+            if error is not None:
+                payload.update(error=error, exit_code=EXIT_UNREACHABLE)
+            click.echo(json.dumps(payload))
+        else:
+            _print_jobs(control, described, zone, now_ms)
+        if error is not None:
+            if not as_json:
+                click.echo(
+                    f"celery anarchon: {error}; stored jobs, pause and last states not shown",
+                    err=True,
                 )
-            )
-            return
-        kind = "lease backend" if backend.supports_leases else "claim-only backend"
-        click.echo(f"backend: {backend.describe()} ({kind})")
-        click.echo(f"app time zone: {_zone_name(zone)}   now: {_utc(now_ms)}")
-        click.echo(f"{len(described)} job(s)")
-        for item in described:
-            click.echo("")
-            click.echo(item["name"])
-            click.echo(f"  task      {item['task']}")
-            click.echo(f"  schedule  {item['schedule']}")
-            click.echo(f"  zone      {item['zone']}")
-            nexts = item["next"] or [{"local": "(no more slots)", "utc": ""}]
-            for i, slot in enumerate(nexts):
-                label = "next" if i == 0 else ""
-                click.echo(f"  {label:<8}  {slot['local']:<30}  {slot['utc']}".rstrip())
-            if "gate_queue" in item:
-                click.echo(f"  gate      {item['gate_queue']}")
-            click.echo(f"  options   {_options_text(item['options'])}")
+            raise click.exceptions.Exit(EXIT_UNREACHABLE)
 
 
-def _describe_job(job: Job, backend: Backend, app_zone_: ZoneInfo, now_ms: int) -> dict[str, Any]:
-    zone: tzinfo = getattr(job.slots, "zone", None) or app_zone_
+def _print_jobs(
+    control: Control, described: Sequence[dict[str, Any]], zone: ZoneInfo, now_ms: int
+) -> None:
+    backend = control.backend
+    kind = "lease backend" if backend.supports_leases else "claim-only backend"
+    click.echo(f"backend: {backend.describe()} ({kind})")
+    click.echo(f"app time zone: {_zone_name(zone)}   now: {_utc(now_ms)}")
+    stored = sum(item["source"] == "stored" for item in described)
+    click.echo(f"{len(described)} job(s), {stored} stored")
+    if described:
+        click.echo("")
+        rows = [
+            [
+                item["name"],
+                item["source"],
+                _paused_text(item),
+                item["next"][0]["utc"] if item["next"] else "-",
+                item["last_state"] or "-",
+                item["schedule"],
+                item["zone"],
+            ]
+            for item in described
+        ]
+        headers = ["JOB", "SOURCE", "PAUSED", "NEXT (UTC)", "LAST", "SCHEDULE", "ZONE"]
+        click.echo(_table(headers, rows))
+    for item in described:
+        click.echo("")
+        click.echo(item["name"])
+        source = f"stored, version {item['version']}" if item["source"] == "stored" else "code"
+        click.echo(f"  source    {source}")
+        click.echo(f"  task      {item['task']}")
+        click.echo(f"  schedule  {item['schedule']}")
+        click.echo(f"  zone      {item['zone']}")
+        if item["paused"]:
+            click.echo(f"  paused    {_paused_text(item)} (no slot is sent until `resume`)")
+        nexts = item["next"] or [{"local": "(no more slots)", "utc": ""}]
+        for i, slot in enumerate(nexts):
+            label = "next" if i == 0 else ""
+            click.echo(f"  {label:<8}  {slot['local']:<30}  {slot['utc']}".rstrip())
+        if item["last_state"]:
+            click.echo(f"  last      {item['last_state']} (slot {_utc(item['last_slot_ms'])})")
+        if "gate_queue" in item:
+            click.echo(f"  gate      {item['gate_queue']}")
+        click.echo(f"  options   {_options_text(item['options'])}")
+    for name, problem in sorted(control.stored_problems.items()):
+        click.echo("")
+        click.echo(f"note: stored job {name!r} is not listed: {problem}")
+
+
+def _paused_text(item: Mapping[str, Any]) -> str:
+    if not item["paused"]:
+        return "-"
+    return f"yes: {item['pause_note']}" if item["pause_note"] else "yes"
+
+
+def _describe_job(
+    job: Job, backend: Backend, app_zone_: ZoneInfo, now_ms: int, last: RunRecord | None
+) -> dict[str, Any]:
+    # A stored job's slots start at its effective time: show its schedule.
+    schedule = job.slots.inner if isinstance(job.slots, BoundedSlots) else job.slots
+    zone: tzinfo = getattr(schedule, "zone", None) or app_zone_
     slots: list[int] = []
     slot = job.slots.next_after(now_ms)
     while slot is not None and len(slots) < NEXT_SLOTS:
         slots.append(slot)
         slot = job.slots.next_after(slot)
+    paused = job.pause is not None and job.pause.paused
     described: dict[str, Any] = {
         "name": job.name,
+        "source": job.source,
+        "version": job.version,
+        "paused": paused,
+        "pause_note": job.pause.note if paused and job.pause is not None else None,
         "task": job.entry.task,
-        "schedule": _schedule_text(job.slots),
+        "schedule": _schedule_text(schedule),
         "zone": _zone_name(zone),
         "next": [{"slot_ms": s, "utc": _utc(s), "local": _local(s, zone)} for s in slots],
+        "last_state": None if last is None else last.state.value,
+        "last_slot_ms": None if last is None else last.slot_ms,
         "options": job.options.as_dict(),
         "definition": job.definition,
     }
@@ -363,32 +369,33 @@ def _options_text(options: Mapping[str, Any]) -> str:
 )
 @json_option
 @click.pass_context
-@_handled
+@handled
 def history(ctx: click.Context, job: str, limit: int, as_json: bool) -> None:
     """JOB's runs, newest slot first: state, instance, times, task id, error.
 
     Times after the slot are shown in seconds relative to the slot (epoch
-    milliseconds in --json). Exit 2 when JOB is neither in beat_schedule nor
-    in the backend's history.
+    milliseconds in --json). Exit 2 when JOB is neither in beat_schedule,
+    nor a stored job, nor in the backend's history.
     """
     with _control(ctx) as control:
         control.require_backend()
         records = control.history(job, limit)
-        known = job in control.jobs
-        if not records and not known:
-            raise _Fail(EXIT_USAGE, _unknown_job(job, control))
+        found = control.jobs.get(job)
+        if not records and found is None:
+            raise Fail(EXIT_USAGE, _unknown_job(job, control))
         if as_json:
             click.echo(
                 json.dumps(
                     {
                         "job": job,
-                        "in_beat_schedule": known,
+                        "in_beat_schedule": job in control.code_jobs,
+                        "source": None if found is None else found.source,
                         "records": [_record_json(r) for r in records],
                     }
                 )
             )
             return
-        note = "" if known else " (no longer in beat_schedule)"
+        note = "" if found is not None else " (no longer in beat_schedule nor stored)"
         if not records:
             # Say where we looked: the SQLite default lives beside the
             # schedule file, so a command run from another folder reads
@@ -427,25 +434,32 @@ def _record_json(record: RunRecord) -> dict[str, Any]:
     return {**record.as_dict(), "slot": _utc(record.slot_ms)}
 
 
-def _unknown_job(job: str, control: Control) -> str:
+def _unknown_job(job: str, control: Control, *, history: bool = True) -> str:
+    """Why ``job`` is unknown, with a "did you mean" and the known jobs; a
+    stored job this host cannot build says why instead."""
+    if job in control.stored_problems:
+        return f"stored job {job!r} cannot be used here: {control.stored_problems[job]}"
     close = difflib.get_close_matches(job, list(control.jobs), n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     known = ", ".join(sorted(control.jobs)) or "none"
-    return f"no job named {job!r} in beat_schedule and no history of it.{hint} Jobs: {known}."
+    where = f"no job named {job!r} in beat_schedule nor among the stored jobs"
+    if history:
+        where += ", and no history of it"
+    return f"{where}.{hint} Jobs: {known}."
 
 
 @anarchon.command(name="last-run")
 @click.argument("job")
 @json_option
 @click.pass_context
-@_handled
+@handled
 def last_run(ctx: click.Context, job: str, as_json: bool) -> None:
     """The newest run of JOB that was really sent (exit 1 when there is none)."""
     with _control(ctx) as control:
         control.require_backend()
         record = control.last_run(job)
         if record is None and job not in control.jobs and not control.history(job, 1):
-            raise _Fail(EXIT_USAGE, _unknown_job(job, control))
+            raise Fail(EXIT_USAGE, _unknown_job(job, control))
         if as_json:
             click.echo(json.dumps({"job": job, "run": record and _record_json(record)}))
         elif record is None:
@@ -482,9 +496,10 @@ def last_run(ctx: click.Context, job: str, as_json: bool) -> None:
 )
 @json_option
 @click.pass_context
-@_handled
+@handled
 def run_now(ctx: click.Context, job: str, key: str | None, as_json: bool) -> None:
-    """Send JOB's task now, once per --key across all hosts; prints the task id.
+    """Send JOB's task now (a beat_schedule entry or a stored job), once per
+    --key across all hosts; prints the task id.
 
     Exit 0 when this call sent it; 1 when a call with the same key already
     did (the task id printed is that run's), a call without --key came less
@@ -493,13 +508,13 @@ def run_now(ctx: click.Context, job: str, key: str | None, as_json: bool) -> Non
     """
     with _control(ctx) as control:
         if job not in control.jobs:
-            raise _Fail(EXIT_USAGE, _unknown_job(job, control).replace(" and no history of it", ""))
+            raise Fail(EXIT_USAGE, _unknown_job(job, control, history=False))
         try:
             result = control.run_now(job, key)
         except (BackendUnavailable, ConfigurationError):
             raise
         except Exception as exc:
-            raise _Fail(
+            raise Fail(
                 EXIT_PROBLEM,
                 f"{job}: claimed, but the broker refused the task ({one_line(exc)}); "
                 "recorded as lost, not sent",
@@ -544,7 +559,7 @@ class _Status:
 @anarchon.command()
 @json_option
 @click.pass_context
-@_handled
+@handled
 def status(ctx: click.Context, as_json: bool) -> None:
     """The backend, its round trip, the live instances and their clocks.
 
@@ -565,7 +580,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
             backend_clock=has_clock(backend),
             max_skew_s=control.settings.max_skew,
             probe=probe,
-            local_fingerprint=schedule_fingerprint(control.jobs),
+            local_fingerprint=schedule_fingerprint(control.code_jobs),
         )
         if backend.supports_leases:
             live = control.instances()
@@ -724,7 +739,7 @@ def check(ctx: click.Context, connect: bool, as_json: bool) -> None:
     setting and the fix. Exit 0 when all is valid, 1 on any problem, 3 when
     --connect finds the backend unreachable. For CI and deploy hooks.
     """
-    result = run_check(_app(ctx), ctx.meta.get("anarchon.schedule"), connect)
+    result = run_check(app_of(ctx), schedule_file(ctx), connect)
     if as_json:
         click.echo(json.dumps({"ok": not result.problems, **asdict(result)}))
     else:
@@ -755,3 +770,9 @@ def _print_check(result: CheckResult, connect: bool) -> None:
         click.echo(f"{len(result.problems)} problem(s): fix them before starting beat.")
     else:
         click.echo("OK: beat would start with this configuration.")
+
+
+# -- add, update, remove, pause, resume (celery_anarchon.cli_schedules) ----------
+
+for _command in SCHEDULE_COMMANDS:
+    anarchon.add_command(_command)

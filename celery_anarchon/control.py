@@ -1,4 +1,4 @@
-"""The Python API for operators: history, last run, run now.
+"""The Python API for operators: jobs, history, last run, run now.
 
 ::
 
@@ -10,7 +10,11 @@
         control.run_now("nightly-report")        # refused if one ran < 5 s ago
         control.run_now("nightly-report", key="deploy-42")  # once per key
 
-The ``celery anarchon`` commands are a thin layer over this class.
+The jobs are this app's ``beat_schedule`` entries and, on a backend that
+keeps them, the stored jobs (docs/runtime-schedules.md), read once from the
+backend when first asked for; a code entry wins over a stored job of the
+same name, as on a beat that has both. The ``celery anarchon`` commands are
+a thin layer over this class.
 """
 
 from __future__ import annotations
@@ -21,11 +25,13 @@ from typing import Any
 
 from .backends import backend_from_url
 from .backends.base import Backend, InstanceInfo, RunRecord, State
+from .backends.store import StoredJobsStore
 from .beat.registry import new_instance_id
 from .exceptions import BackendMissing, ConfigurationError
 from .message import manual_task_id, send_slot
-from .model import Entry, Job, app_zone, build_jobs
+from .model import Entry, Job, app_zone, build_jobs, job_from_stored
 from .settings import Settings
+from .stored import StoredState
 
 __all__ = ["Control", "RunNowResult"]
 
@@ -63,6 +69,12 @@ class RunNowResult:
 class Control:
     """Operator access to one app's jobs and their history.
 
+    Attributes:
+        code_jobs: the ``beat_schedule`` entries, by name (built without
+            connecting).
+        stored_problems: ``{name: error}`` of stored jobs this host cannot
+            build or read (filled when :attr:`jobs` is first read).
+
     Args:
         app: the Celery app (its ``beat_schedule`` and ``anarchon_*``
             settings).
@@ -93,7 +105,9 @@ class Control:
             name: Entry(**dict(spec, name=name, app=app))
             for name, spec in (app.conf.beat_schedule or {}).items()
         }
-        self.jobs: dict[str, Job] = build_jobs(entries, self.settings, app_zone(app))
+        self.code_jobs: dict[str, Job] = build_jobs(entries, self.settings, app_zone(app))
+        self.stored_problems: dict[str, str] = {}
+        self._jobs: dict[str, Job] | None = None
         self._opened = False
 
     def __enter__(self) -> Control:
@@ -128,24 +142,74 @@ class Control:
                 "shared backend beat uses."
             )
 
-    def job(self, name: str) -> Job:
-        """The job called ``name``.
+    @property
+    def keeps_stored_jobs(self) -> bool:
+        """True when the backend keeps stored jobs (every lease backend;
+        RabbitMQ, claim-only, keeps none)."""
+        return isinstance(self.backend, StoredJobsStore)
+
+    @property
+    def jobs(self) -> dict[str, Job]:
+        """Every job by name: the code entries, then the stored jobs whose
+        names no code entry has, each with its pause state.
+
+        The first read reads the stored jobs and pause states from the
+        backend, when it keeps them; it creates nothing (no SQLite file:
+        the code entries alone). A stored job this host cannot build is
+        left out and named in :attr:`stored_problems`.
 
         Raises:
-            ConfigurationError: no such job in ``beat_schedule``.
+            BackendUnavailable: the backend keeps stored jobs and does not
+                answer.
+        """
+        if self._jobs is None:
+            self._jobs = self._read_jobs()
+        return self._jobs
+
+    def _read_jobs(self) -> dict[str, Job]:
+        jobs = dict(self.code_jobs)
+        if not self.keeps_stored_jobs or (not self._opened and not self.backend.exists()):
+            return jobs
+        store = self._open()
+        assert isinstance(store, StoredJobsStore)
+        state = StoredState()
+        state.apply(store.stored_changes(0))
+        zone = app_zone(self.app)
+        problems = dict(state.unreadable)
+        for name, stored in sorted(state.jobs.items()):
+            if name in jobs:
+                continue  # the code entry wins, as on a beat that has both
+            try:
+                jobs[name] = job_from_stored(stored, self.app, self.settings, zone)
+            except ConfigurationError as exc:
+                problems[name] = str(exc)
+        for name, pause in state.pauses.items():
+            if name in jobs:
+                jobs[name].pause = pause
+        self.stored_problems = problems
+        return jobs
+
+    def job(self, name: str) -> Job:
+        """The job called ``name``: a code entry, else a stored job.
+
+        Raises:
+            ConfigurationError: no code entry nor stored job has the name.
+            BackendUnavailable: the stored jobs cannot be read.
         """
         try:
             return self.jobs[name]
         except KeyError:
             known = ", ".join(sorted(self.jobs)) or "none"
             raise ConfigurationError(
-                f"no job named {name!r} in beat_schedule (known: {known})."
+                f"no job named {name!r} in beat_schedule nor among the stored jobs "
+                f"(known: {known})."
             ) from None
 
     def history(self, job: str, limit: int | None = None) -> list[RunRecord]:
         """``job``'s history, newest slot first, at most ``limit`` records.
 
-        Works for a job no longer in ``beat_schedule`` too (its history stays).
+        Works for a job no longer in ``beat_schedule`` or removed from the
+        stored jobs too (its history stays).
 
         Empty, and nothing created, when the SQLite file does not exist yet.
 
@@ -172,7 +236,7 @@ class Control:
         """Send ``job``'s task now, once per ``key`` across all hosts.
 
         Args:
-            job: the job's name in ``beat_schedule``.
+            job: the job's name: a ``beat_schedule`` entry or a stored job.
             key: calls with the same key send once. Without a key, the call
                 is refused while the job's previous call without a key is
                 younger than ``anarchon_run_now_guard`` (5 s by default),

@@ -59,6 +59,10 @@ class StoredJobsRefused(ConfigurationError):
     """The claim backend cannot keep stored jobs (RabbitMQ, claim only)."""
 
 
+def _stored_exists(name: str) -> JobExists:
+    return JobExists(f"stored job {name!r} exists; use update() to change it or remove() it first.")
+
+
 @dataclass(frozen=True)
 class JobView:
     """One job as :meth:`Schedules.get` and :meth:`Schedules.list` show it.
@@ -236,6 +240,10 @@ class Schedules:
                 "instance): code entries stay code-defined. Pick another name, or change "
                 "the code entry."
             )
+        if store.stored_records([name], JOB):
+            # Refused before the pause write below, which would otherwise
+            # pause (or resume) the stored job already there.
+            raise _stored_exists(name)
         # The pause goes first, so no slot runs between the two writes.
         if paused:
             store.write_stored(PAUSE, name, Pause(name, True, note or "").body())
@@ -243,9 +251,7 @@ class Schedules:
             store.write_stored(PAUSE, name, None, exists=True)  # a removed job's leftover
         record = store.write_stored(JOB, name, definition.body(), exists=False)
         if record is None:
-            raise JobExists(
-                f"stored job {name!r} exists; use update() to change it or remove() it first."
-            )
+            raise _stored_exists(name)
         logger.info("anarchon: stored job %s added (version %d)", name, record.version)
         return StoredJob(definition, record.version, record.committed_ms)
 
