@@ -52,7 +52,7 @@ from zoneinfo import ZoneInfo
 import click
 
 from .backends import sanitize_url
-from .backends.base import Backend, InstanceInfo, RunRecord
+from .backends.base import Backend, InstanceInfo, LeaseBackend, RunRecord
 from .beat.registry import HEARTBEAT_INTERVAL, schedule_fingerprint
 from .checks import CheckResult, Probe, has_clock, one_line, probe_backend, run_check
 from .cli_common import (
@@ -195,11 +195,13 @@ def jobs(ctx: click.Context, as_json: bool) -> None:
         try:
             found = control.jobs
             last = {name: next(iter(control.history(name, 1)), None) for name in found}
+            counts = _run_counts(control, found)
         except BackendUnavailable as exc:
             error = f"claim backend unreachable: {one_line(exc)}"
-            found, last = control.code_jobs, {}
+            found, last, counts = control.code_jobs, {}, {}
         described = [
-            _describe_job(job, backend, zone, now_ms, last.get(job.name)) for job in found.values()
+            _describe_job(job, backend, zone, now_ms, last.get(job.name), counts.get(job.name))
+            for job in found.values()
         ]
         if as_json:
             payload = {
@@ -242,7 +244,7 @@ def _print_jobs(
                 item["source"],
                 _paused_text(item),
                 item["next"][0]["utc"] if item["next"] else "-",
-                item["last_state"] or "-",
+                f"finished: {item['finished']}" if item["finished"] else item["last_state"] or "-",
                 item["schedule"],
                 item["zone"],
             ]
@@ -266,6 +268,12 @@ def _print_jobs(
             click.echo(f"  {label:<8}  {slot['local']:<30}  {slot['utc']}".rstrip())
         if item["last_state"]:
             click.echo(f"  last      {item['last_state']} (slot {_utc(item['last_slot_ms'])})")
+        if item["finished"]:
+            click.echo(
+                f"  finished  {item['finished']} (claims nothing; widen its bounds to revive)"
+            )
+        elif item["runs"] is not None:
+            click.echo(f"  runs      {item['runs']} of {item['options']['max_runs']}")
         if "gate_queue" in item:
             click.echo(f"  gate      {item['gate_queue']}")
         click.echo(f"  options   {_options_text(item['options'])}")
@@ -280,14 +288,42 @@ def _paused_text(item: Mapping[str, Any]) -> str:
     return f"yes: {item['pause_note']}" if item["pause_note"] else "yes"
 
 
+def _run_counts(control: Control, found: Mapping[str, Job]) -> dict[str, int]:
+    """Runs counted toward each run limit (one backend call for all)."""
+    limited = [name for name, job in found.items() if job.options.max_runs is not None]
+    backend = control.backend
+    if not limited or not isinstance(backend, LeaseBackend) or not backend.exists():
+        return {}
+    return backend.won_counts(limited)
+
+
+def _finished(job: Job, now_ms: int, runs: int | None) -> str | None:
+    """Why ``job`` is finished (its run limit reached, its ``end_at``
+    passed), or None."""
+    o = job.options
+    if o.max_runs is not None and runs is not None and runs >= o.max_runs:
+        return f"max_runs={o.max_runs} reached"
+    if o.end_at_ms is not None and o.end_at_ms < now_ms and job.slots.next_after(now_ms) is None:
+        return f"end_at {_utc(o.end_at_ms)} passed"
+    return None
+
+
 def _describe_job(
-    job: Job, backend: Backend, app_zone_: ZoneInfo, now_ms: int, last: RunRecord | None
+    job: Job,
+    backend: Backend,
+    app_zone_: ZoneInfo,
+    now_ms: int,
+    last: RunRecord | None,
+    runs: int | None = None,
 ) -> dict[str, Any]:
-    # A stored job's slots start at its effective time: show its schedule.
-    schedule = job.slots.inner if isinstance(job.slots, BoundedSlots) else job.slots
+    # Bounds and a stored job's effective time wrap the schedule: show the schedule.
+    schedule = job.slots
+    while isinstance(schedule, BoundedSlots):
+        schedule = schedule.inner
+    finished = _finished(job, now_ms, runs)
     zone: tzinfo = getattr(schedule, "zone", None) or app_zone_
     slots: list[int] = []
-    slot = job.slots.next_after(now_ms)
+    slot = None if finished else job.slots.next_after(now_ms)
     while slot is not None and len(slots) < NEXT_SLOTS:
         slots.append(slot)
         slot = job.slots.next_after(slot)
@@ -304,6 +340,8 @@ def _describe_job(
         "next": [{"slot_ms": s, "utc": _utc(s), "local": _local(s, zone)} for s in slots],
         "last_state": None if last is None else last.state.value,
         "last_slot_ms": None if last is None else last.slot_ms,
+        "finished": finished,
+        "runs": runs,
         "options": job.options.as_dict(),
         "definition": job.definition,
     }

@@ -91,9 +91,9 @@ def parse_every(text: str) -> float:
     return float(match["number"]) * UNITS[match["unit"] or "s"]
 
 
-def parse_at(text: str) -> datetime:
-    """``--at``: an ISO 8601 instant that carries its zone (``Z`` or an
-    offset), as an aware datetime.
+def parse_at(text: str, option: str = "--at") -> datetime:
+    """``--at`` (or ``option``): an ISO 8601 instant that carries its zone
+    (``Z`` or an offset), as an aware datetime.
 
     Raises:
         Fail: not ISO 8601, or naive (exit 2).
@@ -105,15 +105,39 @@ def parse_at(text: str) -> datetime:
         at = datetime.fromisoformat(value)
     except ValueError:
         raise Fail(
-            EXIT_USAGE, f"--at {text!r} is not ISO 8601: give e.g. 2027-01-01T00:00Z"
+            EXIT_USAGE, f"{option} {text!r} is not ISO 8601: give e.g. 2027-01-01T00:00Z"
         ) from None
     if at.tzinfo is None or at.utcoffset() is None:
         raise Fail(
             EXIT_USAGE,
-            f"--at {text!r} has no time zone, so hosts in other zones would read another "
+            f"{option} {text!r} has no time zone, so hosts in other zones would read another "
             "instant: add one, e.g. 2027-01-01T00:00Z or 2027-01-01T01:00+01:00",
         )
     return at
+
+
+def bounds_of(start_at: str | None, end_at: str | None, max_runs: str | None) -> dict[str, Any]:
+    """``--start-at``, ``--end-at`` and ``--max-runs`` as :meth:`Schedules.add`
+    takes them; ``none`` (``update``) removes a bound, given as None.
+
+    Raises:
+        Fail: an instant without a zone, or a limit that is not a whole number (exit 2).
+    """
+    bounds: dict[str, Any] = {}
+    for key, text, option in (("start_at", start_at, "--start-at"), ("end_at", end_at, "--end-at")):
+        if text is not None:
+            bounds[key] = None if text.lower() == "none" else parse_at(text, option)
+    if max_runs is not None:
+        if max_runs.lower() == "none":
+            bounds["max_runs"] = None
+        else:
+            try:
+                bounds["max_runs"] = int(max_runs)
+            except ValueError:
+                raise Fail(
+                    EXIT_USAGE, f"--max-runs {max_runs!r}: give a whole number >= 1"
+                ) from None
+    return bounds
 
 
 def _json_option(option: str, text: str, kind: type) -> Any:
@@ -176,6 +200,17 @@ def definition_options(func: _F) -> _F:
         click.option("--args", "args_json", default=None, help="Positional args, a JSON list."),
         click.option("--kwargs", "kwargs_json", default=None, help="Keyword args, a JSON object."),
         click.option("--queue", default=None, help="The queue to send to (an apply_async option)."),
+        click.option(
+            "--start-at", default=None, help="No slot before this ISO 8601 instant (with a zone)."
+        ),
+        click.option(
+            "--end-at",
+            default=None,
+            help="No slot after this ISO 8601 instant; then the job is finished.",
+        ),
+        click.option(
+            "--max-runs", default=None, help="Most runs the cluster sends; then it is finished."
+        ),
     ]
     for option in reversed(options):
         func = option(func)
@@ -273,6 +308,9 @@ def add(
     args_json: str | None,
     kwargs_json: str | None,
     queue: str | None,
+    start_at: str | None,
+    end_at: str | None,
+    max_runs: str | None,
     paused: bool,
     note: str | None,
     as_json: bool,
@@ -293,9 +331,10 @@ def add(
     args = _json_option("--args", args_json, list) if args_json is not None else ()
     kwargs = _json_option("--kwargs", kwargs_json, dict) if kwargs_json is not None else None
     options = {"queue": queue} if queue else None
+    bounds = {k: v for k, v in bounds_of(start_at, end_at, max_runs).items() if v is not None}
     with _schedules(ctx) as schedules:
         stored = schedules.add(
-            name, task, schedule, args, kwargs, options, paused=paused, note=note
+            name, task, schedule, args, kwargs, options, paused=paused, note=note, **bounds
         )
         report = _stored_json(schedules, "added", stored)
     report["paused"] = paused
@@ -323,6 +362,9 @@ def update(
     args_json: str | None,
     kwargs_json: str | None,
     queue: str | None,
+    start_at: str | None,
+    end_at: str | None,
+    max_runs: str | None,
     as_json: bool,
 ) -> None:
     """Change the stored job NAME: the options given; the rest stays.
@@ -330,7 +372,9 @@ def update(
     The new definition holds from the first slot at least 1 s after the
     commit; slots before it keep the old one. A new --cron keeps no --tz of
     the old one: give --tz again. --queue replaces the queue and keeps the
-    other send options. Exit 2 when NAME is no stored job (a beat_schedule
+    other send options. ``--start-at``, ``--end-at`` and ``--max-runs`` set
+    a bound (``none`` removes it); a finished job whose bounds widen runs
+    again. Exit 2 when NAME is no stored job (a beat_schedule
     entry changes in the code) or the definition is refused (the old one
     stays in force).
     """
@@ -344,6 +388,7 @@ def update(
         changes["args"] = _json_option("--args", args_json, list)
     if kwargs_json is not None:
         changes["kwargs"] = _json_option("--kwargs", kwargs_json, dict)
+    changes.update(bounds_of(start_at, end_at, max_runs))
     with _schedules(ctx) as schedules:
         if queue is not None:
             current = schedules.get(name).definition
@@ -353,7 +398,7 @@ def update(
             raise Fail(
                 EXIT_USAGE,
                 f"update {name}: nothing to change; give --task, --every, --cron, --at, "
-                "--args, --kwargs or --queue",
+                "--args, --kwargs, --queue, --start-at, --end-at or --max-runs",
             )
         stored = schedules.update(name, **changes)
         report = _stored_json(schedules, "updated", stored)

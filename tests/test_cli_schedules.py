@@ -8,6 +8,7 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -523,3 +524,51 @@ def test_a_job_added_from_the_command_line_runs_on_a_beat(tmp_path: Path) -> Non
 
 def sent_records(app: Celery, job: str) -> list[dict[str, Any]]:
     return [r for r in invoke_json(app, "history", job)["records"] if r["state"] == "sent"]
+
+
+@pytest.mark.services
+@pytest.mark.parametrize("stored_app", ["mysql", "redis"], indirect=True)
+def test_bounds_from_the_command_line_and_finished_jobs_in_jobs(stored_app: Celery) -> None:
+    app = stored_app
+    added = invoke_json(
+        app,
+        "add",
+        "limited",
+        "--task",
+        "proj.limited",
+        "--every",
+        "1m",
+        "--start-at",
+        "2026-01-01T00:00Z",
+        "--end-at",
+        "2099-01-01T00:00+01:00",
+        "--max-runs",
+        "2",
+    )
+    bounds = added["definition"]["anarchon"]
+    assert bounds == {
+        "start_at": "2026-01-01T00:00:00.000Z",
+        "end_at": "2098-12-31T23:00:00.000Z",
+        "max_runs": 2,
+    }
+    listed = jobs_of(app)["limited"]
+    assert listed["runs"] == 0 and listed["finished"] is None
+    # Two runs won by the cluster: the job is finished, and says why.
+    backend = Control(app).backend
+    backend.open()
+    for slot in (listed["next"][0]["slot_ms"], listed["next"][1]["slot_ms"]):
+        request = Control(app).job("limited").claim_request(slot, 10)
+        claim = backend.claim([replace(request, window_before_ms=10**12, window_after_ms=10**12)])
+        assert claim[0].won
+    backend.close()
+    finished = jobs_of(app)["limited"]
+    assert finished["finished"] == "max_runs=2 reached" and finished["next"] == []
+    assert "finished: max_runs=2 reached" in invoke(app, "jobs").stdout
+    # Raising the limit revives it; "none" removes a bound.
+    revived = invoke_json(app, "update", "limited", "--max-runs", "none", "--end-at", "none")
+    assert revived["definition"]["anarchon"] == {"start_at": "2026-01-01T00:00:00.000Z"}
+    assert jobs_of(app)["limited"]["finished"] is None
+    assert "no time zone" in fails(app, "update", "limited", "--end-at", "2030-01-01T00:00")
+    assert "whole number" in fails(app, "update", "limited", "--max-runs", "two")
+    assert "max_runs must be" in fails(app, "update", "limited", "--max-runs", "0")
+    assert "before start_at" in fails(app, "update", "limited", "--end-at", "2025-01-01T00:00Z")
