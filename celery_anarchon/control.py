@@ -29,7 +29,7 @@ from .backends.store import StoredJobsStore
 from .beat.registry import new_instance_id
 from .exceptions import BackendMissing, ConfigurationError
 from .message import manual_task_id, send_slot
-from .model import Entry, Job, app_zone, build_jobs, job_from_stored
+from .model import Entry, Job, app_zone, build_jobs, jobs_from_stored
 from .settings import Settings
 from .stored import StoredState
 
@@ -175,14 +175,11 @@ class Control:
         state = StoredState()
         state.apply(store.stored_changes(0))
         zone = app_zone(self.app)
-        problems = dict(state.unreadable)
-        for name, stored in sorted(state.jobs.items()):
-            if name in jobs:
-                continue  # the code entry wins, as on a beat that has both
-            try:
-                jobs[name] = job_from_stored(stored, self.app, self.settings, zone)
-            except ConfigurationError as exc:
-                problems[name] = str(exc)
+        # The code entry wins, as on a beat that has both.
+        stored = [s for name, s in sorted(state.jobs.items()) if name not in jobs]
+        built, problems = jobs_from_stored(stored, self.app, self.settings, zone)
+        problems.update(state.unreadable)
+        jobs.update(built)
         for name, pause in state.pauses.items():
             if name in jobs:
                 jobs[name].pause = pause
