@@ -79,7 +79,7 @@ def check_backend_supports(backend: Backend, settings: Settings, job: Job) -> No
         raise ConfigurationError(
             f"job {job.name!r}: {', '.join(asked)} need a lease backend; "
             f"{backend.describe()} is claim-only. Remove the setting, or set "
-            "anarchon_backend to Redis, PostgreSQL or SQLite."
+            "anarchon_backend to Redis, PostgreSQL, MySQL or SQLite."
         )
     backend.check_job(
         job.name, jitter_s=o.jitter, max_late_s=o.max_late, max_skew_s=settings.max_skew

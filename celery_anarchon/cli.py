@@ -268,6 +268,10 @@ def _print_jobs(
             click.echo(f"  {label:<8}  {slot['local']:<30}  {slot['utc']}".rstrip())
         if item["last_state"]:
             click.echo(f"  last      {item['last_state']} (slot {_utc(item['last_slot_ms'])})")
+        bounds = item["options"]
+        for key, label in (("start_at_ms", "start at"), ("end_at_ms", "end at")):
+            if bounds.get(key) is not None:
+                click.echo(f"  {label:<8}  {_utc(bounds[key])}")
         if item["finished"]:
             click.echo(
                 f"  finished  {item['finished']} (claims nothing; widen its bounds to revive)"

@@ -278,6 +278,9 @@ def _print_stored(report: dict[str, Any]) -> None:
     )
     click.echo(f"  next slot  {report['next_slot'] or '(none)'}")
     definition = report["definition"]
+    for key in ("start_at", "end_at", "max_runs"):
+        if key in definition["anarchon"]:
+            click.echo(f"  {key:<9}  {definition['anarchon'][key]}")
     for key in ("args", "kwargs", "options"):
         if definition[key]:
             click.echo(f"  {key:<9}  {json.dumps(definition[key])}")
@@ -333,10 +336,24 @@ def add(
     options = {"queue": queue} if queue else None
     bounds = {k: v for k, v in bounds_of(start_at, end_at, max_runs).items() if v is not None}
     with _schedules(ctx) as schedules:
+        fresh = not schedules.backend.exists()
         stored = schedules.add(
             name, task, schedule, args, kwargs, options, paused=paused, note=note, **bounds
         )
         report = _stored_json(schedules, "added", stored)
+        if fresh and schedules.backend.kind == "sqlite":
+            click.echo(
+                f"note: created {schedules.backend.describe()}: no beat has used this file "
+                "yet. Run this where beat runs, with beat's -s file "
+                "(`celery -A proj anarchon -s FILE add ...`), or beat will not see the job.",
+                err=True,
+            )
+    if task not in app_of(ctx).tasks:
+        click.echo(
+            f"note: task {task!r} is not registered in this app (a typo?): beat sends it by "
+            "name, and a worker that lacks it refuses it.",
+            err=True,
+        )
     report["paused"] = paused
     report["pause_note"] = (note or "") if paused else None
     if as_json:

@@ -22,6 +22,8 @@ are a thin layer over this class.
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +37,7 @@ from .exceptions import BackendMissing, ConfigurationError
 from .model import Entry, app_zone, job_from_stored
 from .settings import Settings
 from .stored import Definition, Pause, StoredJob, StoredState, decode_schedule, stored_where
+from .times import iso
 
 __all__ = ["JobExists", "NoSuchJob", "Schedules", "StoredJobsRefused", "JobView"]
 
@@ -60,7 +63,10 @@ class StoredJobsRefused(ConfigurationError):
 
 
 def _stored_exists(name: str) -> JobExists:
-    return JobExists(f"stored job {name!r} exists; use update() to change it or remove() it first.")
+    return JobExists(
+        f"stored job {name!r} exists: update it (`celery anarchon update`, Schedules.update) "
+        "or remove it first."
+    )
 
 
 @dataclass(frozen=True)
@@ -119,10 +125,16 @@ class Schedules:
             client=self.settings.backend_client,
         )
         if not isinstance(self.backend, StoredJobsStore):
+            source = (
+                "anarchon_backend"
+                if app.conf.get("anarchon_backend")
+                else "the broker (anarchon_backend is unset)"
+            )
             raise StoredJobsRefused(
-                f"{self.backend.describe()} is claim-only and keeps no stored jobs: set "
-                "anarchon_backend to a lease backend (Redis, PostgreSQL, MySQL or SQLite) "
-                "to add, update, pause or remove jobs at runtime."
+                f"{self.backend.describe()}, taken from {source}, is claim-only and keeps no "
+                "stored jobs or pause states. To add, update, pause or remove jobs at runtime, "
+                "set anarchon_backend to a shared Redis, PostgreSQL or MySQL URL (claims move "
+                "there too), e.g. anarchon_backend = 'redis://redis-host:6379/0'."
             )
         self._store: StoredJobsStore = self.backend
         self._zone = app_zone(app)
@@ -169,10 +181,24 @@ class Schedules:
         if problem is not None:
             where = f"beat_schedule[{name!r}]"
             raise ConfigurationError(problem.replace(where, stored_where(name)))
-        if job.slots.next_after(self.backend_now_ms()) is None:
+        now_ms = self.backend_now_ms()
+        if job.slots.next_after(now_ms) is None:
+            end = job.options.end_at_ms
+            if end is not None and job.slots.next_after(-(2**62)) is not None:
+                raise ConfigurationError(
+                    f"{stored_where(name)}['anarchon']['end_at']: {iso(end)} leaves no slot "
+                    "after now, so it would never run. Fix: give a later end_at, or none."
+                )
             raise ConfigurationError(
                 f"{stored_where(name)}['schedule']: {definition.describe_schedule()} has no "
                 "slot after now, so it would never run. Fix: give a time in the future."
+            )
+        if definition.task not in self.app.tasks:
+            logger.warning(
+                "anarchon: stored job %s: task %r is not registered in this app (a typo?); "
+                "beat sends it by name, and a worker without it refuses it",
+                name,
+                definition.task,
             )
 
     def backend_now_ms(self) -> int:
@@ -434,10 +460,15 @@ class Schedules:
     def _no_such_job(self, name: str, what: str) -> NoSuchJob:
         if what in ("update", "remove") and name in (self.app.conf.beat_schedule or {}):
             return NoSuchJob(
-                f"{what}({name!r}): {name!r} is a beat_schedule entry; code entries "
+                f"{what} {name!r}: {name!r} is a beat_schedule entry; code entries "
                 "change in the code (pause and resume work on them)."
             )
-        return NoSuchJob(f"{what}({name!r}): no stored job or code entry has that name.")
+        known = set(self.app.conf.beat_schedule or {})
+        with contextlib.suppress(Exception):  # a suggestion is not worth a second error
+            known |= set(self.state().jobs)
+        close = difflib.get_close_matches(name, sorted(known), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        return NoSuchJob(f"{what} {name!r}: no stored job or code entry has that name.{hint}")
 
 
 def _with_bounds(anarchon: Any, bounds: dict[str, Any], *, clear: bool = False) -> Any:

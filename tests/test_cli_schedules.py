@@ -38,7 +38,7 @@ REDIS_PREFIX = f"anarchon-cli-stored:{uuid.uuid4().hex[:8]}:"
 LEASE_BACKENDS = ["sqlite", "postgresql", "mysql", "redis"]
 
 #: What the refusal on a claim-only backend names.
-LEASE_BACKENDS_NAMED = "lease backend (Redis, PostgreSQL, MySQL or SQLite)"
+LEASE_BACKENDS_NAMED = "set anarchon_backend to a shared Redis, PostgreSQL or MySQL URL"
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -42,6 +42,9 @@ from .link import BackendLink
 
 __all__ = ["POLL_INTERVAL", "StoredJobs"]
 
+#: Most changes of one batch logged one by one (more: the batch's line only).
+LOGGED_CHANGES = 20
+
 #: States of a record that was a won claim (a run that counts).
 RUN_STATES = frozenset(
     {State.CLAIMED, State.SENT, State.RUNNING, State.SUCCEEDED, State.FAILED, State.LOST}
@@ -185,6 +188,8 @@ class StoredJobs:
         for record in fresh:
             if record.version != newest[record.kind, record.name]:
                 continue  # a later record of the same job follows in this batch
+            if len(newest) <= LOGGED_CHANGES:
+                logger.info("anarchon: %s (version %d)", _change_text(record), record.version)
             if record.kind == JOB:
                 self._apply_job(record, now_ms)
             else:
@@ -262,7 +267,6 @@ class StoredJobs:
             current.retired_ms = effective_ms
             del self._jobs[name]
         if record.body is None:
-            logger.info("anarchon: stored job %s removed (version %d)", name, record.version)
             return
         job = self._build(name)
         if job is None:
@@ -347,7 +351,7 @@ class StoredJobs:
             [(job, slot_ms, State.SKIPPED, f"finished: {reason}")]
         )
         if any(written):
-            logger.info("anarchon: %s finished: %s", job.name, reason)
+            logger.info("anarchon: %s has no slot left (%s): finished", job.name, reason)
 
     def limit_reached(self, job: Job, refused_ms: int) -> None:
         """The backend refused a claim of ``job`` at ``refused_ms``: its run
@@ -420,3 +424,13 @@ class StoredJobs:
     def _log_unreadable(self) -> None:
         for name, error in self.state.unreadable.items():
             self._warn_once(name, -1, "anarchon: stored job %s is unreadable: %s", name, error)
+
+
+def _change_text(record: StoredRecord) -> str:
+    """What a record changed, for the log: ``stored job sync written``."""
+    if record.kind == JOB:
+        return f"stored job {record.name} " + ("removed" if record.body is None else "written")
+    if record.body is None:
+        return f"pause state of {record.name} cleared"
+    paused = '"paused":true' in record.body
+    return f"job {record.name} " + ("paused" if paused else "resumed")
