@@ -3,7 +3,8 @@ change, what stored jobs cost an idle instance, and start-up with many.
 
     python -m bench.runtime [--changes 200] [--gap 0.3] [--instances 3]
         [--backend redis[,postgresql]] [--stored 1000] [--seconds 60]
-        [--startup-sizes 0,1000,10000] [--before CHECKOUT] [--repeats 2]
+        [--startup-sizes 0,1000,10000] [--startup-repeats 3]
+        [--before CHECKOUT] [--repeats 2]
         [--parts propagation,idle,startup] [--seed 1] [--tiny] [--json PATH]
 
 Every part runs real ``celery -A bench.bench_app beat -S
@@ -32,16 +33,22 @@ delay is computed with; on one host the backend's commit clock (Redis
 * **idle** (per backend): side by side, at the same time, one beat with no
   stored job, one with ``--stored`` hourly stored jobs and, with
   ``--before CHECKOUT`` (a checkout of a commit before stored jobs, with
-  its own ``.venv``), that code's beat: CPU seconds of each process
-  (``/proc``) over ``--seconds`` after a 5 s settle, scaled to a minute,
-  and its RSS at the end.
-* **startup** (per backend, per size of ``--startup-sizes``): one beat
-  logging at DEBUG, started against a backend holding that many stored
-  jobs (``--before``: also that code's beat, no stored job): seconds from
-  launching the process to its first ``beat: Waking up`` line (after
-  set-up and the first tick), of which from ``beat: Starting...`` (after
-  the imports) to that line, the process's CPU seconds and RSS at that
-  line.
+  its own ``.venv``), that code's beat: CPU seconds of each process over
+  ``--seconds`` after a 5 s settle (the scheduler's count of every thread,
+  :func:`~bench.common.cpu_seconds_exact`), scaled to a minute, and its RSS
+  at the end.
+* **startup** (per backend, per size of ``--startup-sizes``, in turn,
+  ``--startup-repeats`` times): one beat logging at DEBUG, started against
+  a backend holding that many stored jobs (``--before``: also that code's
+  beat, no stored job): seconds from launching the process to its first
+  ``beat: Waking up`` line (after set-up and the first tick), of which from
+  ``beat: Starting...`` (after the imports) to that line, the process's CPU
+  seconds and RSS at that line.
+
+Give the ``--before`` checkout's ``.venv`` the same packages as this one
+(``pip install -e '.[test,docs,lint,postgres,mysql,bench]'``): an optional
+package changes the imports (kombu registers a YAML serializer when PyYAML
+is there), and so the start-up and RSS of a beat.
 
 Repeats run the parts in turn, so each part of a repeat saw the same load.
 Everything is made under a run-unique prefix (Redis keys, SQL tables, a
@@ -466,11 +473,11 @@ def idle(
             wait_ready(beats, timeout=120)
             time.sleep(5.0)  # past the first heartbeat (definitions sent once)
             load = os.getloadavg()
-            cpu0 = [common.cpu_seconds(b.pid) for b in beats]
+            cpu0 = [common.cpu_seconds_exact(b.pid) for b in beats]
             time.sleep(args.seconds)
             for beat in beats:
                 beat.check_alive()
-            cpu1 = [common.cpu_seconds(b.pid) for b in beats]
+            cpu1 = [common.cpu_seconds_exact(b.pid) for b in beats]
             for row, beat, c0, c1 in zip(rows, beats, cpu0, cpu1, strict=True):
                 row["cpu_s"] = c1 - c0
                 row["window_s"] = args.seconds
@@ -516,7 +523,7 @@ def startup(
                     if message.startswith("beat: Waking up"):
                         woke = at
                         break
-            row["cpu_s"] = common.cpu_seconds(beat.pid)
+            row["cpu_s"] = common.cpu_seconds_exact(beat.pid)
             row["rss_mib"] = common.rss_bytes(beat.pid) / 2**20
             row["startup_s"] = woke - beat.launched
             row["setup_s"] = woke - starting if starting is not None else None
@@ -562,12 +569,13 @@ def stored_backends(args: argparse.Namespace, backend: str) -> Iterator[dict[str
 def startups(
     args: argparse.Namespace, backend: str, repeat: int, urls: dict[str, str]
 ) -> list[dict[str, Any]]:
-    """The start-up of each size, and of the code before stored jobs."""
+    """The start-up of each size, and of the code before stored jobs, in
+    turn, ``--startup-repeats`` times."""
     cases = [("after", size, common.REPO) for size in args.sizes_]
     if args.before:
         cases.insert(0, ("before", 0, args.before))
     rows = []
-    for code, size, checkout in cases:
+    for code, size, checkout in cases * args.startup_repeats:
         url = urls["before" if code == "before" else str(size)]
         rows.append(startup(backend, repeat, code, size, url, checkout))
         log(f"  {_brief(rows[-1])}")
@@ -711,7 +719,8 @@ def _grouped(rows: Sequence[dict[str, Any]], key: str, label: str) -> str:
         ratio = "-"
         if base and (code, stored) != ("after", 0) and _median(base, key) > 0:
             ratio = f"{_median(runs, key) / _median(base, key):.2f}"
-        cells = [backend, code, f"{stored:,}", _spread([r[key] for r in runs]), ratio]
+        digits = 4 if key == "cpu_per_min_s" else 3
+        cells = [backend, code, f"{stored:,}", _spread([r[key] for r in runs], digits), ratio]
         if key == "startup_s":
             cells.append(_spread([r["setup_s"] for r in runs if r.get("setup_s") is not None]))
             cells.append(_spread([r["cpu_s"] for r in runs], 2))
@@ -742,6 +751,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=60.0, help="idle window, seconds")
     parser.add_argument("--startup-sizes", default="0,1000,10000", help="stored jobs, a list")
     parser.add_argument(
+        "--startup-repeats", type=int, default=3, help="start-ups of each size per repeat"
+    )
+    parser.add_argument(
         "--before", type=Path, help="a checkout before stored jobs, with its own .venv"
     )
     parser.add_argument("--repeats", type=int, default=2)
@@ -753,6 +765,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.tiny:
         args.changes, args.gap, args.instances, args.stored = 8, 0.2, 2, 20
         args.seconds, args.startup_sizes, args.repeats = 2.0, "0,20", 1
+        args.startup_repeats = 1
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = set(args.parts) - set(PARTS)
     if unknown:
