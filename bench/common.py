@@ -245,6 +245,22 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def cpu_seconds_exact(pid: int) -> float:
+    """CPU seconds of every thread of process ``pid`` as the scheduler
+    counts them (``se.sum_exec_runtime`` of ``/proc/<pid>/task/*/sched``,
+    microseconds), or :func:`cpu_seconds` (10 ms steps) when the kernel
+    does not show it. Threads that exited no longer count."""
+    total, found = 0.0, False
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            for line in (task / "sched").read_text().splitlines():
+                if line.startswith("se.sum_exec_runtime"):
+                    total += float(line.split(":", 1)[1]) / 1000.0  # ms
+                    found = True
+                    break
+    return total if found else cpu_seconds(pid)
+
+
 #: Server processes whose CPU a benchmark reports, by ``/proc/<pid>/comm``.
 SERVER_PROCESSES = {
     "redis-server": "redis",

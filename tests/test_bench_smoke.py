@@ -2,7 +2,8 @@
 
 No timing is asserted: the figures of a run this small mean nothing. What is
 checked is that every benchmark runs, prints its table, and (burst) that
-every slot it measured was sent exactly once.
+every slot it measured was sent exactly once, (runtime) that every change
+was applied by every instance.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import burst, claims, figures, footprint, misses, profile, scale, steady
+from bench import burst, claims, figures, footprint, misses, profile, runtime, scale, steady
 
 from .conftest import require_service
 
@@ -133,6 +134,28 @@ def test_steady_attribution() -> None:
     steady.check_history(zero, states, jobs)
     assert zero["history_never"] == {"sent": 1}
     assert zero["history_mismatch"] == 2  # a: sent but not queued; b: queued, missed
+
+
+@pytest.mark.integration
+def test_runtime_smoke(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Every change reaches every instance; the idle and start-up beats run."""
+    require_service("redis")
+    out = tmp_path / "runtime.json"
+    assert runtime.main(["--tiny", "--json", str(out)]) == 0
+    assert "| redis | all | 16 | 16 |" in capsys.readouterr().out
+    results = json.loads(out.read_text())
+    [run] = results["propagation"]
+    assert "error" not in run, run
+    assert len(run["changes"]) == 8
+    assert [i["applied"] for i in run["instances"]] == [8, 8]
+    assert run["every_change_everywhere"]
+    assert [(r["code"], r["stored"]) for r in results["idle"]] == [("after", 0), ("after", 20)]
+    assert [r["stored"] for r in results["startup"]] == [0, 20]
+    for row in results["idle"] + results["startup"]:
+        assert "error" not in row, row
+    # the start-up beat read the stored jobs: the size measured is the size stored
+    assert "20 stored job(s)" in results["startup"][1]["loaded"][0]
+    assert "20 stored job(s)" in results["idle"][1]["loaded"][0]
 
 
 def test_scale_smoke(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
