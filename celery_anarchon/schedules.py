@@ -236,6 +236,11 @@ class Schedules:
                 "instance): code entries stay code-defined. Pick another name, or change "
                 "the code entry."
             )
+        existing = store.stored_records([name], JOB).get(name)
+        if existing is not None and existing.body is not None:
+            # Refused before the pause write below, which would otherwise
+            # pause or resume the job that holds the name.
+            raise _stored_job_exists(name)
         # The pause goes first, so no slot runs between the two writes.
         if paused:
             store.write_stored(PAUSE, name, Pause(name, True, note or "").body())
@@ -243,9 +248,7 @@ class Schedules:
             store.write_stored(PAUSE, name, None, exists=True)  # a removed job's leftover
         record = store.write_stored(JOB, name, definition.body(), exists=False)
         if record is None:
-            raise JobExists(
-                f"stored job {name!r} exists; use update() to change it or remove() it first."
-            )
+            raise _stored_job_exists(name)
         logger.info("anarchon: stored job %s added (version %d)", name, record.version)
         return StoredJob(definition, record.version, record.committed_ms)
 
@@ -432,6 +435,10 @@ class Schedules:
                 "change in the code (pause and resume work on them)."
             )
         return NoSuchJob(f"{what}({name!r}): no stored job or code entry has that name.")
+
+
+def _stored_job_exists(name: str) -> JobExists:
+    return JobExists(f"stored job {name!r} exists; use update() to change it or remove() it first.")
 
 
 def _with_bounds(anarchon: Any, bounds: dict[str, Any], *, clear: bool = False) -> Any:
