@@ -51,6 +51,7 @@ from .beat.registry import HEARTBEAT_INTERVAL, schedule_fingerprint
 from .checks import CheckResult, Probe, has_clock, one_line, probe_backend, run_check
 from .control import Control
 from .exceptions import BackendMissing, BackendUnavailable, ConfigurationError
+from .importers.cli import import_group
 from .model import Job, app_zone
 from .slots import CronSlots, IntervalSlots, Slots
 
@@ -755,3 +756,6 @@ def _print_check(result: CheckResult, connect: bool) -> None:
         click.echo(f"{len(result.problems)} problem(s): fix them before starting beat.")
     else:
         click.echo("OK: beat would start with this configuration.")
+
+
+anarchon.add_command(import_group)
