@@ -3,6 +3,7 @@
 ::
 
     celery -A proj anarchon import redbeat [--redis URL] [--dry-run] [--json]
+    celery -A proj anarchon import django-celery-beat [--database-url URL] [--dry-run] [--json]
 
 Exit codes, as for every ``celery anarchon`` command:
 
@@ -12,8 +13,10 @@ Exit codes, as for every ``celery anarchon`` command:
 1     Some entry was skipped (its name is taken) or not mapped (no
       equivalent here, or validation refused it), or nothing was found.
 2     Usage: a bad option, a source that cannot be read as given (not a
-      Redis URL, a key that is not redbeat's index), no ``-A``.
-3     The source (redbeat's Redis) or the claim backend is unreachable.
+      Redis URL, a key that is not redbeat's index, no django-celery-beat
+      tables, Django not configured and no ``--database-url``), no ``-A``.
+3     The source (redbeat's Redis, the database) or the claim backend is
+      unreachable.
 4     The app's configuration cannot be loaded, or its claim backend keeps
       no stored jobs (RabbitMQ).
 ====  ==================================================================
@@ -141,7 +144,7 @@ _json = click.option("--json", "as_json", is_flag=True, help="Print one JSON obj
 
 @click.group(name="import")
 def import_group() -> None:
-    """Store another scheduler's entries as stored jobs (redbeat).
+    """Store another scheduler's entries as stored jobs (redbeat, django-celery-beat).
 
     Each entry is validated as `add` validates it; a name already taken (a
     code entry, a stored job) is skipped, an entry with no equivalent here
@@ -182,6 +185,38 @@ def redbeat(
         _app(ctx),
         redis_url,
         key_prefix=key_prefix,
+        dry_run=dry_run,
+        keep_phase=not epoch_anchor,
+        schedule_filename=_schedule_file(ctx),
+    )
+    _finish(report, as_json)
+
+
+@import_group.command(name="django-celery-beat")
+@click.option(
+    "--database-url",
+    default=None,
+    help="The Django database's URL, read with SQLAlchemy [default: through Django's ORM, "
+    "with the project's settings].",
+)
+@_epoch_anchor
+@_dry_run
+@_json
+@click.pass_context
+@_handled
+def django_celery_beat(
+    ctx: click.Context,
+    database_url: str | None,
+    epoch_anchor: bool,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
+    """django-celery-beat's periodic tasks, through the ORM or from its tables."""
+    from .django import import_django_celery_beat
+
+    report = import_django_celery_beat(
+        _app(ctx),
+        database_url,
         dry_run=dry_run,
         keep_phase=not epoch_anchor,
         schedule_filename=_schedule_file(ctx),

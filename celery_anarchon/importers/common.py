@@ -60,14 +60,15 @@ DONE = frozenset({IMPORTED, WOULD_IMPORT, ALREADY_IMPORTED})
 
 
 class SourceUnavailable(AnarchonError):
-    """The old scheduler's store (its Redis) could not be reached. Raised
-    ``from`` the driver's error."""
+    """The old scheduler's store (its Redis, its database) could not be
+    reached. Raised ``from`` the driver's error."""
 
 
 class ImportSourceError(ConfigurationError):
     """The old scheduler's store cannot be read as given: not a Redis URL,
-    a key that is not redbeat's index. The message names the option that
-    fixes it."""
+    a key that is not redbeat's index, a database without
+    django-celery-beat's tables, Django not configured and no database URL.
+    The message names the option that fixes it."""
 
 
 @dataclass
@@ -168,7 +169,7 @@ class ImportReport:
     """The outcome of one import.
 
     Attributes:
-        source: ``"redbeat"``.
+        source: ``"redbeat"`` or ``"django-celery-beat"``.
         read_from: where the entries were read (credentials masked).
         target: the claim backend the stored jobs went to.
         dry_run: nothing was written.
