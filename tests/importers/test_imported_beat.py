@@ -24,13 +24,23 @@ pytestmark = [pytest.mark.services, pytest.mark.integration]
 LONG_ONLY = {"hourly": {"task": "itest.noop", "schedule": 3600.0}}
 
 
+def delete_keys(pattern: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL)
+    for key in client.scan_iter(match=pattern, count=1000):
+        client.delete(key)
+    client.close()
+
+
 def test_two_beats_send_each_slot_of_the_imported_jobs_once(
     tmp_path: Path, redbeat_prefix: str, django_databases: DjangoDatabases
 ) -> None:
     require_service("redis")
     from django_celery_beat.models import IntervalSchedule
 
-    url = f"{REDIS_URL}?prefix=anarchon-import:{uuid.uuid4().hex[:8]}:"
+    prefix = f"anarchon-import:{uuid.uuid4().hex[:8]}:"
+    url = f"{REDIS_URL}?prefix={prefix}"
     cluster = BeatCluster(url, tmp_path, conf={"beat_schedule": LONG_ONLY, "anarchon_jitter": 0})
     queue = {"queue": cluster.queue}
     old = redbeat_app(redbeat_prefix)
@@ -61,6 +71,7 @@ def test_two_beats_send_each_slot_of_the_imported_jobs_once(
         sent = count_sent(cluster.read_sent())
     finally:
         cluster.stop()
+        delete_keys(f"*{prefix}*")
     assert {k: n for k, n in sent.items() if n > 1} == {}
     assert not [k for k in sent if k[0] == "rb-off"]
     for job, period_ms, at_least in (("rb-tick", 1000, 4), ("dj-tick", 2000, 2)):
