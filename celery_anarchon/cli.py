@@ -70,6 +70,7 @@ from .cli_common import (
 from .cli_schedules import COMMANDS as SCHEDULE_COMMANDS
 from .control import Control
 from .exceptions import BackendUnavailable, ConfigurationError
+from .importers.cli import import_group
 from .model import Job, app_zone
 from .slots import BoundedSlots, CronSlots, IntervalSlots, Slots
 
@@ -818,3 +819,7 @@ def _print_check(result: CheckResult, connect: bool) -> None:
 
 for _command in SCHEDULE_COMMANDS:
     anarchon.add_command(_command)
+
+# -- import redbeat | django-celery-beat (celery_anarchon.importers) ---------------
+
+anarchon.add_command(import_group)

@@ -245,6 +245,21 @@ def test_a_refused_update_leaves_the_old_definition_in_force(schedules: Schedule
     assert state.jobs["dyn"].definition.schedule == {"every": 1.0}
 
 
+def test_a_refused_add_leaves_the_pause_state_of_the_job_it_collides_with(
+    schedules: Schedules,
+) -> None:
+    schedules.add("held", "t.noop", 60, paused=True, note="keep")
+    schedules.add("running", "t.noop", 60)
+    before = schedules.state().version
+    with pytest.raises(JobExists, match="held"):
+        schedules.add("held", "t.noop", 60)
+    with pytest.raises(JobExists, match="running"):
+        schedules.add("running", "t.noop", 60, paused=True, note="oops")
+    assert schedules.state().version == before
+    assert schedules.get("held").paused
+    assert not schedules.get("running").paused
+
+
 def test_add_refuses_the_name_of_a_code_entry_on_a_live_instance(lease_url: str) -> None:
     """The name is in another host's beat_schedule only: its registry entry
     tells."""
