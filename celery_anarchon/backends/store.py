@@ -16,7 +16,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-__all__ = ["JOB", "PAUSE", "StoredRecord", "StoredJobsStore"]
+__all__ = [
+    "JOB",
+    "PAUSE",
+    "PRIOR_WRITES",
+    "StoredRecord",
+    "StoredJobsStore",
+    "parse_prior",
+    "prior_text",
+]
 
 #: Kinds of stored records: a stored job's definition; a job's pause state
 #: (code or stored job).
@@ -33,6 +41,10 @@ class StoredRecord:
         body: its JSON text, or None once removed.
         version: the change counter's value of its last write.
         committed_ms: when that write committed, epoch ms (the backend's clock).
+        prior: ``(version, committed_ms)`` of the writes of this record
+            before the last, newest first, at most :data:`PRIOR_WRITES`: a
+            reader that missed some (two changes between two of its reads)
+            learns when the first of them committed.
     """
 
     kind: str
@@ -40,6 +52,32 @@ class StoredRecord:
     body: str | None
     version: int
     committed_ms: int
+    prior: tuple[tuple[int, int], ...] = ()
+
+    def first_change_after(self, version: int) -> int:
+        """When the first write after ``version`` committed, epoch ms (the
+        oldest prior write kept, when more were missed)."""
+        missed = [c for v, c in self.prior if v > version]
+        return min(missed) if missed else self.committed_ms
+
+
+#: Most earlier writes a record remembers (:attr:`StoredRecord.prior`).
+PRIOR_WRITES = 8
+
+
+def prior_text(prior: tuple[tuple[int, int], ...]) -> str:
+    """``prior`` as stored: ``"12,1796...;9,1796..."``."""
+    return ";".join(f"{v},{c}" for v, c in prior)
+
+
+def parse_prior(text: str | None) -> tuple[tuple[int, int], ...]:
+    """:func:`prior_text` read back (unreadable parts left out)."""
+    found = []
+    for part in (text or "").split(";"):
+        version, _, committed = part.partition(",")
+        if version.isdigit() and committed.isdigit():
+            found.append((int(version), int(committed)))
+    return tuple(found)
 
 
 class StoredJobsStore(abc.ABC):

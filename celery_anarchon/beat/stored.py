@@ -33,7 +33,7 @@ from ..metrics import Metrics
 from ..model import Job, job_from_stored, jobs_from_stored
 from ..settings import Settings
 from ..slots import first_slot
-from ..stored import APPLY_DELAY_MS, Pause, StoredState
+from ..stored import APPLY_DELAY_MS, Definition, Pause, StoredJob, StoredState
 from ..times import iso
 from ..times import ms as _ms
 from .agenda import CATCH_UP, DUE, Agenda, Slot
@@ -186,9 +186,11 @@ class StoredJobs:
         self.state.apply(fresh)
         newest = {(r.kind, r.name): r.version for r in fresh}
         for record in fresh:
-            if record.version != newest[record.kind, record.name]:
-                continue  # a later record of the same job follows in this batch
-            if len(newest) <= LOGGED_CHANGES:
+            # Every definition of a job holds until the next one does, also
+            # when several are read at once; of its pause states, the newest.
+            if record.kind != JOB and record.version != newest[record.kind, record.name]:
+                continue
+            if len(fresh) <= LOGGED_CHANGES:
                 logger.info("anarchon: %s (version %d)", _change_text(record), record.version)
             if record.kind == JOB:
                 self._apply_job(record, now_ms)
@@ -224,10 +226,11 @@ class StoredJobs:
 
     # -- applying -----------------------------------------------------------------
 
-    def _build(self, name: str) -> Job | None:
-        """The job of a stored definition, or None: a code entry here has the
-        name, or this instance cannot build it (logged once per version)."""
-        stored = self.state.jobs[name]
+    def _build(self, name: str, stored: StoredJob | None = None) -> Job | None:
+        """The job of a stored definition (default: the newest, in the
+        state), or None: a code entry here has the name, or this instance
+        cannot build it (logged once per version)."""
+        stored = stored or self.state.jobs[name]
         if name in self.code:
             self._warn_once(
                 name,
@@ -262,13 +265,21 @@ class StoredJobs:
             return
         effective_ms = record.committed_ms + APPLY_DELAY_MS
         if current is not None:
+            # Writes between the one it came from and this one (read at once)
+            # retire it at the first of them.
+            effective_ms = record.first_change_after(current.version) + APPLY_DELAY_MS
             # Its slots before the change's effective time stay (one
             # definition or the other sends them, once); none after.
-            current.retired_ms = effective_ms
+            if current.retired_ms is None or current.retired_ms > effective_ms:
+                current.retired_ms = effective_ms
             del self._jobs[name]
         if record.body is None:
             return
-        job = self._build(name)
+        try:
+            definition = Definition.from_body(name, record.body)
+        except ConfigurationError:
+            return  # the state named it unreadable, logged once
+        job = self._build(name, StoredJob(definition, record.version, record.committed_ms))
         if job is None:
             return
         self._jobs[name] = job

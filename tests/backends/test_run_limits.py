@@ -73,3 +73,23 @@ def test_a_taken_slot_does_not_count_and_a_limit_raised_revives(
     # A batch mixing limited and unlimited jobs answers each on its own terms.
     mixed = a.claim([request_for("j", now_ms + 3, 3), request_for("free", now_ms + 3, None)])
     assert [(c.won, c.reason) for c in mixed] == [(False, "finished"), (True, "")]
+
+
+def test_the_last_run_lost_to_a_live_owner_is_taken_and_a_released_run_is_given_back(
+    make_backend: BackendFactory, backend_name: str
+) -> None:
+    """The limit's last slot, held by another instance, answers "taken" (so
+    the loser watches it for a take-over), and a released claim does not
+    use up the limit."""
+    tag = uuid.uuid4().hex[:6]
+    prefix = f"anarchon-test:{RUN_ID}:{tag}:" if backend_name == "redis" else f"t{RUN_ID}_{tag}_"
+    a, b = make_backend("a", prefix=prefix), make_backend("b", prefix=prefix)
+    now_ms = int(time.time() * 1000)
+    [held] = a.claim([request_for("one", now_ms, 1)])
+    assert held.won
+    assert b.claim([request_for("one", now_ms, 1)])[0].reason == "taken"
+    assert b.claim([request_for("one", now_ms + 1, 1)])[0].reason == "finished"
+    a.release([held])
+    [again] = b.claim([request_for("one", now_ms, 1)])
+    assert again.won, again
+    assert a.won_counts(["one"]) == {"one": 1}

@@ -103,3 +103,19 @@ def test_a_long_name_keeps_its_own_record(make_backend: BackendFactory, namespac
     s.write_stored(JOB, long_b, '{"n":"b"}', exists=False)
     found = s.stored_records([long_a, long_b], JOB)
     assert {n: r.body for n, r in found.items()} == {long_a: '{"n":"a"}', long_b: '{"n":"b"}'}
+
+
+def test_a_record_remembers_its_earlier_writes(
+    make_backend: BackendFactory, namespace: str
+) -> None:
+    """A reader that missed writes learns when the first of them committed."""
+    s = store(make_backend, namespace)
+    writes = [s.write_stored(JOB, "j", f'{{"n":{i}}}') for i in range(10)]
+    writes.append(s.write_stored(JOB, "j", None))
+    last = writes[-1]
+    assert last is not None and last.body is None
+    [read] = s.stored_changes(last.version - 1)
+    expected = tuple((w.version, w.committed_ms) for w in reversed(writes[:-1]) if w)[:8]
+    assert read.prior == last.prior == expected
+    assert read.first_change_after(writes[7].version) == writes[8].committed_ms  # type: ignore[union-attr]
+    assert read.first_change_after(last.version) == last.committed_ms

@@ -21,7 +21,7 @@ from celery_anarchon.beat.scheduler import Scheduler
 from celery_anarchon.schedules import JobExists, Schedules
 from celery_anarchon.stored import APPLY_DELAY_MS
 
-from .support import make_app, sent_slots
+from .support import make_app, sent_messages, sent_slots
 
 HOURLY = {"code-hourly": {"task": "t.noop", "schedule": 3600.0}}
 
@@ -295,5 +295,32 @@ def test_a_peer_behind_on_stored_jobs_is_warned_about(
         with caplog.at_level(logging.WARNING, logger="celery_anarchon"):
             s.registry._warn_stored_lag([behind])
         assert "host:1:behind applies stored jobs at version 0" in caplog.text
+    finally:
+        s.close()
+
+
+def test_changes_read_in_one_poll_each_hold_from_their_own_second(
+    app: Celery, schedules: Schedules
+) -> None:
+    """A removal and a re-add (or two updates) committed between two reads:
+    the old definition stops at the first change, not at the last."""
+    schedules.add("dyn", "t.old", 0.5)
+    s = start(app)
+    try:
+        run_until(s, time.time() + 2.0)
+        sent_messages(app)
+        schedules.remove("dyn")
+        removed_ms = schedules.backend_now_ms()
+        time.sleep(0.7)  # no tick: both changes are read by the same poll
+        readded = schedules.add("dyn", "t.new", 0.5)
+        run_until(s, readded.committed_ms / 1000 + 3.0)
+        sends = [(h["task"], int(h["anarchon_slot"])) for h in sent_messages(app)]
+        stale = [
+            (task, slot)
+            for task, slot in sends
+            if task == "t.old" and slot >= removed_ms + APPLY_DELAY_MS
+        ]
+        assert stale == [], sends
+        assert any(task == "t.new" for task, _ in sends)
     finally:
         s.close()

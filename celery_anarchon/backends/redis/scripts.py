@@ -550,14 +550,17 @@ CLAIM = _script("claim", LUA_CLAIM_SCRIPT)
 # won claims ({PJ}:won, kept for good), ARGV[10] the limit; the claim wins
 # only below it, and counts the win in the same script. Returns -4 when the
 # count reached the limit ("finished").
+# A slot claimed again after its claim was released (its guard holds the
+# released token, negated) was counted when first won: it is not counted,
+# nor refused, again.
 LUA_CLAIM_COUNTED_SCRIPT = LUA_CLAIM_SCRIPT.replace(
     "local token = 1\n",
-    "if tonumber(redis.call('GET', KEYS[4]) or '0') >= tonumber(ARGV[10]) then\n"
+    "if not guard and tonumber(redis.call('GET', KEYS[4]) or '0') >= tonumber(ARGV[10]) then\n"
     "    return -4\n"
     "end\n"
     "local token = 1\n",
     1,
-).replace("return token\n", "redis.call('INCR', KEYS[4])\nreturn token\n", 1)
+).replace("return token\n", "if not guard then redis.call('INCR', KEYS[4]) end\nreturn token\n", 1)
 assert LUA_CLAIM_COUNTED_SCRIPT.count("KEYS[4]") == 2
 
 CLAIM_COUNTED = _script("claim_counted", LUA_CLAIM_COUNTED_SCRIPT)

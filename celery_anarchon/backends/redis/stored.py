@@ -4,7 +4,8 @@ Three keys under the registry's hash tag ``{P}``, so Redis Cluster keeps
 them in one slot:
 
 * ``{P}:stored``: a hash, field ``<kind>:<name>``, value
-  ``<version>:<committed_ms>:B<body>`` (``R`` and no body once removed);
+  ``<version>:<committed_ms>:<prior>|B<body>`` (``R`` and no body once
+  removed; ``<prior>`` the earlier writes, ``v,c;v,c``, newest first);
 * ``{P}:stored:log``: a sorted set of the same fields scored by version;
 * ``{P}:stored:version``: the change counter.
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..store import StoredJobsStore, StoredRecord
+from ..store import PRIOR_WRITES, StoredJobsStore, StoredRecord, parse_prior
 from .registry import RedisRegistry
 from .scripts import _script
 
@@ -26,23 +27,32 @@ __all__ = ["RedisStored"]
 
 LUA_WRITE_STORED_SCRIPT = """
 -- KEYS: hash, log, counter. ARGV: field, body ('' to remove),
--- remove ('1'/'0'), exists ('1': must be there, '0': must not, '': either).
+-- remove ('1'/'0'), exists ('1': must be there, '0': must not, '': either),
+-- most earlier writes kept.
 local current = redis.call('HGET', KEYS[1], ARGV[1])
 local present = false
+local prior = ''
 if current then
-    local _, _, flag = string.find(current, '^%d+:%d+:(.)')
+    local _, _, v, c, p, flag = string.find(current, '^(%d+):(%d+):([%d,;]*)|(.)')
     present = flag == 'B'
+    prior = v .. ',' .. c
+    local kept = 1
+    for item in string.gmatch(p, '[^;]+') do
+        if kept >= tonumber(ARGV[5]) then break end
+        prior = prior .. ';' .. item
+        kept = kept + 1
+    end
 end
 if (ARGV[4] == '1' and not present) or (ARGV[4] == '0' and present) then
     return false
 end
 local version = redis.call('INCR', KEYS[3])
 local now = now_ms()
-local value = int(version) .. ':' .. int(now) .. ':'
+local value = int(version) .. ':' .. int(now) .. ':' .. prior .. '|'
 if ARGV[3] == '1' then value = value .. 'R' else value = value .. 'B' .. ARGV[2] end
 redis.call('HSET', KEYS[1], ARGV[1], value)
 redis.call('ZADD', KEYS[2], version, ARGV[1])
-return {version, now}
+return {version, now, prior}
 """
 
 LUA_STORED_CHANGES_SCRIPT = """
@@ -77,10 +87,11 @@ def _record(field: bytes | str, value: bytes | str) -> StoredRecord | None:
     text = _text(value)
     version, _, rest = text.partition(":")
     committed, _, rest = rest.partition(":")
+    prior, _, rest = rest.partition("|")
     if not version.isdigit() or not committed.isdigit() or rest[:1] not in ("B", "R"):
         return None
     body = rest[1:] if rest[:1] == "B" else None
-    return StoredRecord(kind, name, body, int(version), int(committed))
+    return StoredRecord(kind, name, body, int(version), int(committed), parse_prior(prior))
 
 
 class RedisStored(RedisRegistry, StoredJobsStore):
@@ -143,9 +154,11 @@ class RedisStored(RedisRegistry, StoredJobsStore):
             BackendUnavailable: no answer (the script ran wholly or not at all).
         """
         condition = "" if exists is None else ("1" if exists else "0")
-        args = [f"{kind}:{name}", body or "", "1" if body is None else "0", condition]
+        args = [f"{kind}:{name}", body or "", "1" if body is None else "0", condition, PRIOR_WRITES]
         reply = self._call((WRITE_STORED, self._stored_keys(), args))
         if not reply:
             return None
-        version, committed = reply
-        return StoredRecord(kind, name, body, int(version), int(committed))
+        version, committed, prior = reply
+        return StoredRecord(
+            kind, name, body, int(version), int(committed), parse_prior(_text(prior))
+        )

@@ -257,9 +257,19 @@ class SQLBackend(SQLLeases):
         the job's count row first (every claim of the job queues on it, in
         the batch's sorted order, so two instances cannot both win the
         limit's last run), then insert the claim and count it; at the limit,
-        nothing is written and the answer is ``"finished"``."""
-        won = self._tables.won
+        nothing is written and the answer is ``"finished"``. A slot that has
+        a record answers ``"taken"`` first, as an unlimited claim does, so
+        its loser watches it for a take-over. A released claim's count was
+        given back by :meth:`release`."""
+        won, runs = self._tables.won, self._tables.runs
         assert req.max_runs is not None
+        taken = conn.execute(
+            sa.select(runs.c.token)
+            .where(runs.c.job == row["job"], runs.c.slot_ms == row["slot_ms"])
+            .limit(1)
+        ).first()
+        if taken is not None:  # answered as an unlimited claim is: its owner may die
+            return _lost(req.job, req.slot_ms, "taken")
         savepoint = conn.begin_nested()
         self._insert_if_absent(conn, won, {"job": row["job"], "won": 0})
         count_query = sa.select(won.c.won).where(won.c.job == row["job"])
@@ -269,7 +279,7 @@ class SQLBackend(SQLLeases):
         if count >= req.max_runs:
             savepoint.rollback()
             return _lost(req.job, req.slot_ms, "finished")
-        if not self._insert_if_absent(conn, self._tables.runs, row):
+        if not self._insert_if_absent(conn, runs, row):
             savepoint.rollback()
             return _lost(req.job, req.slot_ms, "taken")
         conn.execute(sa.update(won).where(won.c.job == row["job"]).values(won=count + 1))

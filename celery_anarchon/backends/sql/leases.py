@@ -277,7 +277,14 @@ class SQLLeases(SQLStored):
                     runs.c.state == State.CLAIMED.value,
                 )
                 if claim.token == 1:
-                    conn.execute(sa.delete(runs).where(*fenced))
+                    deleted = conn.execute(sa.delete(runs).where(*fenced)).rowcount
+                    if deleted == 1:  # a run limit's count gives the released run back
+                        won = self._tables.won
+                        conn.execute(
+                            sa.update(won)
+                            .where(won.c.job == key_of(claim.job), won.c.won > 0)
+                            .values(won=won.c.won - 1)
+                        )
                 else:
                     conn.execute(sa.update(runs).where(*fenced).values(lease_until_ms=0))
         logger.debug("anarchon: released %d claim(s)", len(mine))

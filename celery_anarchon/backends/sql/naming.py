@@ -165,6 +165,7 @@ def _tables(prefix: str) -> _Tables:
         sa.Column("body", sa.Text),
         _ms("version", nullable=False),
         _ms("committed_ms", nullable=False),
+        sa.Column("prior", sa.String(255), nullable=False, default=""),
         sa.UniqueConstraint("version", name=f"{prefix}stored_version"),
         **opts,
     )

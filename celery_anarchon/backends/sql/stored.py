@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from ..store import StoredJobsStore, StoredRecord
+from ..store import PRIOR_WRITES, StoredJobsStore, StoredRecord, parse_prior, prior_text
 from .naming import key_of
 from .registry import SQLRegistry
 
@@ -54,13 +54,13 @@ class SQLStored(SQLRegistry, StoredJobsStore):
         """
         t = self._tables.stored
         query = (
-            sa.select(t.c.kind, t.c.full_name, t.c.body, t.c.version, t.c.committed_ms)
+            sa.select(t.c.kind, t.c.full_name, t.c.body, t.c.version, t.c.committed_ms, t.c.prior)
             .where(t.c.version > since)
             .order_by(t.c.version)
         )
         with self._read("read stored jobs") as conn:
             rows = conn.execute(query).all()
-        return [StoredRecord(k, n, b, int(v), int(c)) for k, n, b, v, c in rows]
+        return [StoredRecord(k, n, b, int(v), int(c), parse_prior(p)) for k, n, b, v, c, p in rows]
 
     def stored_records(self, names: Sequence[str], kind: str) -> dict[str, StoredRecord]:
         """The current records of ``names`` of one ``kind`` (removed ones left out).
@@ -74,14 +74,18 @@ class SQLStored(SQLRegistry, StoredJobsStore):
         with self._read("read stored jobs") as conn:
             for start in range(0, len(keys), 500):
                 rows = conn.execute(
-                    sa.select(t.c.full_name, t.c.body, t.c.version, t.c.committed_ms).where(
+                    sa.select(
+                        t.c.full_name, t.c.body, t.c.version, t.c.committed_ms, t.c.prior
+                    ).where(
                         t.c.kind == kind,
                         t.c.name.in_(keys[start : start + 500]),
                         t.c.body.is_not(None),
                     )
                 ).all()
-                for name, body, version, committed in rows:
-                    found[name] = StoredRecord(kind, name, body, int(version), int(committed))
+                for name, body, version, committed, prior in rows:
+                    found[name] = StoredRecord(
+                        kind, name, body, int(version), int(committed), parse_prior(prior)
+                    )
         return found
 
     def write_stored(
@@ -109,12 +113,18 @@ class SQLStored(SQLRegistry, StoredJobsStore):
         with self._write("write a stored job") as conn:
             version = self._next_version(conn)
             current = conn.execute(
-                sa.select(t.c.body).where(t.c.kind == kind, t.c.name == key)
+                sa.select(t.c.body, t.c.version, t.c.committed_ms, t.c.prior).where(
+                    t.c.kind == kind, t.c.name == key
+                )
             ).first()
             present = current is not None and current[0] is not None
             if exists is not None and present != exists:
                 raise _Refused  # rolls the counter back
             now = self._now(conn)
+            prior: tuple[tuple[int, int], ...] = ()
+            if current is not None:
+                earlier = ((int(current[1]), int(current[2])), *parse_prior(current[3]))
+                prior = earlier[:PRIOR_WRITES]
             row = {
                 "kind": kind,
                 "name": key,
@@ -122,6 +132,7 @@ class SQLStored(SQLRegistry, StoredJobsStore):
                 "body": body,
                 "version": version,
                 "committed_ms": now,
+                "prior": prior_text(prior),
             }
             if current is None:
                 conn.execute(sa.insert(t).values(row))
@@ -129,9 +140,15 @@ class SQLStored(SQLRegistry, StoredJobsStore):
                 conn.execute(
                     sa.update(t)
                     .where(t.c.kind == kind, t.c.name == key)
-                    .values(body=body, version=version, committed_ms=now, full_name=name)
+                    .values(
+                        body=body,
+                        version=version,
+                        committed_ms=now,
+                        full_name=name,
+                        prior=row["prior"],
+                    )
                 )
-        return StoredRecord(kind, name, body, version, now)
+        return StoredRecord(kind, name, body, version, now, prior)
 
     def _next_version(self, conn: Connection) -> int:
         """Lock the counter's row (made on the first write) and move it on."""
