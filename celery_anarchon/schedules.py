@@ -30,7 +30,7 @@ from typing import Any
 
 from .backends import backend_from_url
 from .backends.base import Backend
-from .backends.store import JOB, PAUSE, StoredJobsStore
+from .backends.store import JOB, PAUSE, StoredJobsStore, StoredWrite
 from .beat.registry import new_instance_id
 from .checks import args_problem, check_backend_supports
 from .exceptions import BackendMissing, ConfigurationError
@@ -266,16 +266,14 @@ class Schedules:
                 "instance): code entries stay code-defined. Pick another name, or change "
                 "the code entry."
             )
-        if store.stored_records([name], JOB):
-            # Refused before the pause write below, which would otherwise
-            # pause (or resume) the stored job already there.
-            raise _stored_exists(name)
-        # The pause goes first, so no slot runs between the two writes.
-        if paused:
-            store.write_stored(PAUSE, name, Pause(name, True, note or "").body())
-        else:
-            store.write_stored(PAUSE, name, None, exists=True)  # a removed job's leftover
-        record = store.write_stored(JOB, name, definition.body(), exists=False)
+        # One atomic step: the pause state (or the clearing of a removed
+        # job's leftover) first, so no slot runs between the two, and
+        # neither is written when the name is taken.
+        pause_body = Pause(name, True, note or "").body() if paused else None
+        written = store.write_stored_many(
+            [StoredWrite(PAUSE, name, pause_body), StoredWrite(JOB, name, definition.body(), False)]
+        )
+        record = written[1] if written is not None else None
         if record is None:
             raise _stored_exists(name)
         logger.info("anarchon: stored job %s added (version %d)", name, record.version)
@@ -339,10 +337,12 @@ class Schedules:
             BackendUnavailable: no answer.
         """
         store = self._open(create=False)
-        record = store.write_stored(JOB, name, None, exists=True)
+        written = store.write_stored_many(
+            [StoredWrite(JOB, name, None, True), StoredWrite(PAUSE, name, None)]
+        )
+        record = written[0] if written is not None else None
         if record is None:
             raise self._no_such_job(name, "remove")
-        store.write_stored(PAUSE, name, None, exists=True)
         logger.info("anarchon: stored job %s removed (version %d)", name, record.version)
         return record.version
 

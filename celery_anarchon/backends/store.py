@@ -61,6 +61,24 @@ class StoredRecord:
         return min(missed) if missed else self.committed_ms
 
 
+@dataclass(frozen=True)
+class StoredWrite:
+    """One write of :meth:`StoredJobsStore.write_stored_many`.
+
+    Attributes:
+        kind: :data:`JOB` or :data:`PAUSE`.
+        name: the job's name.
+        body: the JSON text, or None to remove the record.
+        exists: True: only if the record is there (with a body); False: only
+            if it is not; None: either way.
+    """
+
+    kind: str
+    name: str
+    body: str | None
+    exists: bool | None = None
+
+
 #: Most earlier writes a record remembers (:attr:`StoredRecord.prior`).
 PRIOR_WRITES = 8
 
@@ -103,7 +121,6 @@ class StoredJobsStore(abc.ABC):
             BackendUnavailable: no answer.
         """
 
-    @abc.abstractmethod
     def write_stored(
         self, kind: str, name: str, body: str | None, *, exists: bool | None = None
     ) -> StoredRecord | None:
@@ -122,6 +139,25 @@ class StoredJobsStore(abc.ABC):
         Raises:
             BackendUnavailable: no answer; nothing or everything was written
                 (a retry with the same ``exists`` tells which).
+        """
+        written = self.write_stored_many([StoredWrite(kind, name, body, exists)])
+        if written is None:
+            return None
+        if written[0] is None:  # removing what is not there: already so
+            return None if exists else StoredRecord(kind, name, None, 0, 0)
+        return written[0]
+
+    @abc.abstractmethod
+    def write_stored_many(self, writes: Sequence[StoredWrite]) -> list[StoredRecord | None] | None:
+        """Write several records, all or none, in one atomic step, each
+        under its own next version, in order.
+
+        Returns:
+            one record per write (None for the removal of a record that is
+            not there), or None when the ``exists`` of some write did not
+            hold: nothing was written.
+        Raises:
+            BackendUnavailable: no answer; nothing or everything was written.
         """
 
     def stored_records(self, names: Sequence[str], kind: str) -> dict[str, StoredRecord]:

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from celery_anarchon.backends.store import JOB, PAUSE, StoredJobsStore
+from celery_anarchon.backends.store import JOB, PAUSE, StoredJobsStore, StoredWrite
 
 from ..conftest import RUN_ID, BackendFactory, require_service
 
@@ -119,3 +119,23 @@ def test_a_record_remembers_its_earlier_writes(
     assert read.prior == last.prior == expected
     assert read.first_change_after(writes[7].version) == writes[8].committed_ms  # type: ignore[union-attr]
     assert read.first_change_after(last.version) == last.committed_ms
+
+
+def test_several_writes_are_all_or_none(make_backend: BackendFactory, namespace: str) -> None:
+    """What ``add(paused=...)`` relies on: a refused job write leaves the
+    pause state it came with unwritten too."""
+    s = store(make_backend, namespace)
+    s.write_stored(PAUSE, "j", '{"paused":true,"note":"A"}')
+    s.write_stored(JOB, "j", '{"v":"A"}', exists=False)
+    version = s.stored_version()
+    refused = s.write_stored_many(
+        [StoredWrite(PAUSE, "j", None), StoredWrite(JOB, "j", '{"v":"B"}', exists=False)]
+    )
+    assert refused is None and s.stored_version() == version
+    assert s.stored_records(["j"], PAUSE)["j"].body == '{"paused":true,"note":"A"}'
+    both = s.write_stored_many(
+        [StoredWrite(JOB, "j", None, exists=True), StoredWrite(PAUSE, "j", None)]
+    )
+    assert both is not None and [r.version for r in both if r] == [version + 1, version + 2]
+    nothing = s.write_stored_many([StoredWrite(PAUSE, "never", None)])
+    assert nothing == [None] and s.stored_version() == version + 2

@@ -18,41 +18,64 @@ without the other.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from ..store import PRIOR_WRITES, StoredJobsStore, StoredRecord, parse_prior
+from ..store import PRIOR_WRITES, StoredJobsStore, StoredRecord, StoredWrite, parse_prior
 from .registry import RedisRegistry
 from .scripts import _script
 
 __all__ = ["RedisStored"]
 
 LUA_WRITE_STORED_SCRIPT = """
--- KEYS: hash, log, counter. ARGV: field, body ('' to remove),
--- remove ('1'/'0'), exists ('1': must be there, '0': must not, '': either),
--- most earlier writes kept.
-local current = redis.call('HGET', KEYS[1], ARGV[1])
-local present = false
-local prior = ''
-if current then
-    local _, _, v, c, p, flag = string.find(current, '^(%d+):(%d+):([%d,;]*)|(.)')
-    present = flag == 'B'
-    prior = v .. ',' .. c
-    local kept = 1
-    for item in string.gmatch(p, '[^;]+') do
-        if kept >= tonumber(ARGV[5]) then break end
-        prior = prior .. ';' .. item
-        kept = kept + 1
+-- KEYS: hash, log, counter. ARGV[1]: most earlier writes kept; then, per
+-- write, four: field, body ('' to remove), remove ('1'/'0'), exists ('1':
+-- must be there, '0': must not, '': either). All or none: false when some
+-- exists does not hold; else per write {version, now, prior}, or {0} for the
+-- removal of a field that is not there.
+local keep = tonumber(ARGV[1])
+local n = (#ARGV - 1) / 4
+local currents = {}
+for i = 1, n do
+    local field, cond = ARGV[4 * i - 2], ARGV[4 * i + 1]
+    local current = redis.call('HGET', KEYS[1], field)
+    local present = false
+    if current then
+        local _, _, flag = string.find(current, '^%d+:%d+:[%d,;]*|(.)')
+        present = flag == 'B'
+    end
+    if (cond == '1' and not present) or (cond == '0' and present) then
+        return false
+    end
+    currents[i] = current or false
+end
+local now = now_ms()
+local out = {}
+for i = 1, n do
+    local field, body, remove = ARGV[4 * i - 2], ARGV[4 * i - 1], ARGV[4 * i]
+    local current = currents[i]
+    if not current and remove == '1' then
+        out[i] = {0}
+    else
+        local prior = ''
+        if current then
+            local _, _, v, c, p = string.find(current, '^(%d+):(%d+):([%d,;]*)|')
+            prior = v .. ',' .. c
+            local kept = 1
+            for item in string.gmatch(p, '[^;]+') do
+                if kept >= keep then break end
+                prior = prior .. ';' .. item
+                kept = kept + 1
+            end
+        end
+        local version = redis.call('INCR', KEYS[3])
+        local value = int(version) .. ':' .. int(now) .. ':' .. prior .. '|'
+        if remove == '1' then value = value .. 'R' else value = value .. 'B' .. body end
+        redis.call('HSET', KEYS[1], field, value)
+        redis.call('ZADD', KEYS[2], version, field)
+        out[i] = {version, now, prior}
     end
 end
-if (ARGV[4] == '1' and not present) or (ARGV[4] == '0' and present) then
-    return false
-end
-local version = redis.call('INCR', KEYS[3])
-local now = now_ms()
-local value = int(version) .. ':' .. int(now) .. ':' .. prior .. '|'
-if ARGV[3] == '1' then value = value .. 'R' else value = value .. 'B' .. ARGV[2] end
-redis.call('HSET', KEYS[1], ARGV[1], value)
-redis.call('ZADD', KEYS[2], version, ARGV[1])
-return {version, now, prior}
+return out
 """
 
 LUA_STORED_CHANGES_SCRIPT = """
@@ -143,22 +166,32 @@ class RedisStored(RedisRegistry, StoredJobsStore):
                 found[record.name] = record
         return found
 
-    def write_stored(
-        self, kind: str, name: str, body: str | None, *, exists: bool | None = None
-    ) -> StoredRecord | None:
-        """Write one record under the next version (one script, atomic).
+    def write_stored_many(self, writes: Sequence[StoredWrite]) -> list[StoredRecord | None] | None:
+        """Write records under the next versions, all or none (one script).
 
         Returns:
-            the record, or None when ``exists`` did not hold.
+            one record per write (None for the removal of a record that is
+            not there), or None when some ``exists`` did not hold.
         Raises:
             BackendUnavailable: no answer (the script ran wholly or not at all).
         """
-        condition = "" if exists is None else ("1" if exists else "0")
-        args = [f"{kind}:{name}", body or "", "1" if body is None else "0", condition, PRIOR_WRITES]
+        args: list[Any] = [PRIOR_WRITES]
+        for w in writes:
+            condition = "" if w.exists is None else ("1" if w.exists else "0")
+            remove = "1" if w.body is None else "0"
+            args += [f"{w.kind}:{w.name}", w.body or "", remove, condition]
         reply = self._call((WRITE_STORED, self._stored_keys(), args))
         if not reply:
             return None
-        version, committed, prior = reply
-        return StoredRecord(
-            kind, name, body, int(version), int(committed), parse_prior(_text(prior))
-        )
+        written: list[StoredRecord | None] = []
+        for w, answer in zip(writes, reply, strict=True):
+            if len(answer) == 1:
+                written.append(None)
+                continue
+            version, committed, prior = answer
+            written.append(
+                StoredRecord(
+                    w.kind, w.name, w.body, int(version), int(committed), parse_prior(_text(prior))
+                )
+            )
+        return written

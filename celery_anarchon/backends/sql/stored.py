@@ -13,11 +13,19 @@ is one index range scan.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from ..store import PRIOR_WRITES, StoredJobsStore, StoredRecord, parse_prior, prior_text
+from ..store import (
+    PRIOR_WRITES,
+    StoredJobsStore,
+    StoredRecord,
+    StoredWrite,
+    parse_prior,
+    prior_text,
+)
 from .naming import key_of
 from .registry import SQLRegistry
 
@@ -88,70 +96,73 @@ class SQLStored(SQLRegistry, StoredJobsStore):
                     )
         return found
 
-    def write_stored(
-        self, kind: str, name: str, body: str | None, *, exists: bool | None = None
-    ) -> StoredRecord | None:
-        """Write one record under the next version, in one transaction that
-        holds the counter's row lock (see the module docstring).
+    def write_stored_many(self, writes: Sequence[StoredWrite]) -> list[StoredRecord | None] | None:
+        """Write records under the next versions, all or none, in one
+        transaction that holds the counter's row lock (module docstring).
 
         Returns:
-            the record, or None when ``exists`` did not hold.
+            one record per write (None for a removal of a record that is
+            not there: nothing to write), or None when some ``exists`` did
+            not hold (nothing was written).
         Raises:
             BackendUnavailable: no answer (the transaction is rolled back
                 unless it committed).
         """
-        t = self._tables.stored
-        key = key_of(name)
         try:
-            return self._write_stored(t, kind, key, name, body, exists)
+            return self._write_many(writes)
         except _Refused:
             return None
 
-    def _write_stored(
-        self, t: sa.Table, kind: str, key: str, name: str, body: str | None, exists: bool | None
-    ) -> StoredRecord:
+    def _write_many(self, writes: Sequence[StoredWrite]) -> list[StoredRecord | None]:
+        t = self._tables.stored
         with self._write("write a stored job") as conn:
-            version = self._next_version(conn)
-            current = conn.execute(
-                sa.select(t.c.body, t.c.version, t.c.committed_ms, t.c.prior).where(
-                    t.c.kind == kind, t.c.name == key
-                )
-            ).first()
-            present = current is not None and current[0] is not None
-            if exists is not None and present != exists:
-                raise _Refused  # rolls the counter back
-            now = self._now(conn)
-            prior: tuple[tuple[int, int], ...] = ()
-            if current is not None:
-                earlier = ((int(current[1]), int(current[2])), *parse_prior(current[3]))
-                prior = earlier[:PRIOR_WRITES]
-            row = {
-                "kind": kind,
-                "name": key,
-                "full_name": name,
-                "body": body,
-                "version": version,
-                "committed_ms": now,
-                "prior": prior_text(prior),
-            }
-            if current is None:
-                conn.execute(sa.insert(t).values(row))
-            else:
-                conn.execute(
-                    sa.update(t)
-                    .where(t.c.kind == kind, t.c.name == key)
-                    .values(
-                        body=body,
-                        version=version,
-                        committed_ms=now,
-                        full_name=name,
-                        prior=row["prior"],
+            self._next_version(conn, 0)  # the counter's lock first: writers queue on it
+            currents = []
+            for w in writes:
+                current = conn.execute(
+                    sa.select(t.c.body, t.c.version, t.c.committed_ms, t.c.prior).where(
+                        t.c.kind == w.kind, t.c.name == key_of(w.name)
                     )
-                )
-        return StoredRecord(kind, name, body, version, now, prior)
+                ).first()
+                present = current is not None and current[0] is not None
+                if w.exists is not None and present != w.exists:
+                    raise _Refused  # rolls everything back
+                currents.append(current)
+            now = self._now(conn)
+            written: list[StoredRecord | None] = []
+            for w, current in zip(writes, currents, strict=True):
+                if current is None and w.body is None:
+                    written.append(None)  # nothing to remove
+                    continue
+                version = self._next_version(conn)
+                written.append(self._write_row(conn, w, current, version, now))
+        return written
 
-    def _next_version(self, conn: Connection) -> int:
-        """Lock the counter's row (made on the first write) and move it on."""
+    def _write_row(
+        self, conn: Connection, w: StoredWrite, current: Any, version: int, now: int
+    ) -> StoredRecord:
+        t = self._tables.stored
+        key = key_of(w.name)
+        prior: tuple[tuple[int, int], ...] = ()
+        if current is not None:
+            earlier = ((int(current[1]), int(current[2])), *parse_prior(current[3]))
+            prior = earlier[:PRIOR_WRITES]
+        values = {
+            "full_name": w.name,
+            "body": w.body,
+            "version": version,
+            "committed_ms": now,
+            "prior": prior_text(prior),
+        }
+        if current is None:
+            conn.execute(sa.insert(t).values(kind=w.kind, name=key, **values))
+        else:
+            conn.execute(sa.update(t).where(t.c.kind == w.kind, t.c.name == key).values(values))
+        return StoredRecord(w.kind, w.name, w.body, version, now, prior)
+
+    def _next_version(self, conn: Connection, step: int = 1) -> int:
+        """Lock the counter's row (made on the first write) and move it on
+        by ``step``; the counter's new value."""
         meta = self._tables.meta
         row = {"name": VERSION_ROW, "value": "0"}
         locked = sa.select(meta.c.value).where(meta.c.name == VERSION_ROW)
@@ -161,6 +172,8 @@ class SQLStored(SQLRegistry, StoredJobsStore):
         if value is None:
             self._insert_if_absent(conn, meta, row)
             value = conn.execute(locked).scalar()
-        version = int(value or 0) + 1
-        conn.execute(sa.update(meta).where(meta.c.name == VERSION_ROW).values(value=str(version)))
+        version = int(value or 0) + step
+        if step:
+            update = sa.update(meta).where(meta.c.name == VERSION_ROW)
+            conn.execute(update.values(value=str(version)))
         return version
