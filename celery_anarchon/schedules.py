@@ -23,6 +23,7 @@ are a thin layer over this class.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import logging
 from dataclasses import dataclass
@@ -36,7 +37,15 @@ from .checks import args_problem, check_backend_supports
 from .exceptions import BackendMissing, ConfigurationError
 from .model import Entry, app_zone, job_from_stored
 from .settings import Settings
-from .stored import Definition, Pause, StoredJob, StoredState, decode_schedule, stored_where
+from .stored import (
+    APPLY_DELAY_MS,
+    Definition,
+    Pause,
+    StoredJob,
+    StoredState,
+    decode_schedule,
+    stored_where,
+)
 from .times import iso
 
 __all__ = ["JobExists", "NoSuchJob", "Schedules", "StoredJobsRefused", "JobView"]
@@ -164,6 +173,15 @@ class Schedules:
 
     # -- validation -------------------------------------------------------------
 
+    def _pinned(self, definition: Definition) -> Definition:
+        """``definition`` with the app's zone written into a cron or crontab
+        schedule that names none, so every host reads its wall clock in the
+        same zone whatever its own ``timezone`` setting."""
+        if "tz" in definition.schedule and not definition.schedule["tz"]:
+            zone = str(getattr(self._zone, "key", "") or "UTC")
+            return dataclasses.replace(definition, schedule={**definition.schedule, "tz": zone})
+        return definition
+
     def validate(self, definition: Definition) -> None:
         """Refuse ``definition`` as beat would refuse it in ``beat_schedule``.
 
@@ -181,17 +199,20 @@ class Schedules:
         if problem is not None:
             where = f"beat_schedule[{name!r}]"
             raise ConfigurationError(problem.replace(where, stored_where(name)))
-        now_ms = self.backend_now_ms()
-        if job.slots.next_after(now_ms) is None:
+        # Its first slot is at or after the instant the change holds.
+        now_ms = self.backend_now_ms() + APPLY_DELAY_MS
+        if job.slots.next_after(now_ms - 1) is None:
             end = job.options.end_at_ms
             if end is not None and job.slots.next_after(-(2**62)) is not None:
                 raise ConfigurationError(
                     f"{stored_where(name)}['anarchon']['end_at']: {iso(end)} leaves no slot "
-                    "after now, so it would never run. Fix: give a later end_at, or none."
+                    f"after the change holds ({APPLY_DELAY_MS // 1000} s after it commits), so "
+                    "it would never run. Fix: give a later end_at, or none."
                 )
             raise ConfigurationError(
                 f"{stored_where(name)}['schedule']: {definition.describe_schedule()} has no "
-                "slot after now, so it would never run. Fix: give a time in the future."
+                f"slot after the change holds ({APPLY_DELAY_MS // 1000} s after it commits), so "
+                "it would never run. Fix: give a time further in the future."
             )
         if definition.task not in self.app.tasks:
             logger.warning(
@@ -258,6 +279,7 @@ class Schedules:
         bounds = {"start_at": start_at, "end_at": end_at, "max_runs": max_runs}
         anarchon = _with_bounds(anarchon, bounds)
         definition = Definition.build(name, task, schedule, args, kwargs, options, anarchon)
+        definition = self._pinned(definition)
         store = self._open(create=True)
         self.validate(definition)
         if name in self._code_names():
@@ -318,7 +340,7 @@ class Schedules:
         bounds = {key: changes.pop(key) for key in BOUNDS if key in changes}
         fields.update(changes)
         fields["anarchon"] = _with_bounds(fields["anarchon"], bounds, clear=True)
-        definition = Definition.build(name, **fields)
+        definition = self._pinned(Definition.build(name, **fields))
         self.validate(definition)
         record = store.write_stored(JOB, name, definition.body(), exists=True)
         if record is None:

@@ -41,6 +41,7 @@ from .slots import cron, from_ms, oneoff, to_ms
 
 __all__ = [
     "APPLY_DELAY_MS",
+    "MAX_BODY_BYTES",
     "CRONTAB_FIELDS",
     "SEND_OPTIONS",
     "Definition",
@@ -83,8 +84,18 @@ SEND_OPTIONS = frozenset(
         "delivery_mode",
         "shadow",
         "mandatory",
+        "countdown",
+        "reply_to",
+        "correlation_id",
+        "content_type",
+        "content_encoding",
     }
 )
+
+#: Largest body a stored job may have, bytes: below what every backend's
+#: text column holds (MySQL's TEXT is 64 KiB). Big arguments belong in a
+#: database the task reads, not in the schedule.
+MAX_BODY_BYTES = 60_000
 
 
 def stored_where(name: str) -> str:
@@ -214,6 +225,14 @@ def decode_schedule(data: Mapping[str, Any], *, job: str) -> Any:
     raise _error(job, f"unknown stored schedule {dict(data)!r}", "upgrade celery-anarchon")
 
 
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _portable_options(options: dict[str, Any]) -> dict[str, Any]:
     """Per-job options with their datetimes as JSON holds them: ``start_at``
     and ``end_at`` as ISO 8601 texts in UTC, ``anchor`` as epoch seconds (a
@@ -284,6 +303,11 @@ class Definition:
             raise ConfigurationError(
                 f"stored job name {name!r}: give a non-empty string, e.g. 'nightly-report'."
             )
+        if "\x00" in name or not _encodable(name):
+            raise ConfigurationError(
+                f"stored job name {name!r}: holds a NUL or a lone surrogate, which the "
+                "backends cannot store; give a name of printable text."
+            )
         where = stored_where(name)
         if not isinstance(task, str) or not task:
             raise ConfigurationError(
@@ -303,7 +327,7 @@ class Definition:
             )
         anarchon = _portable_options(dict(anarchon or {}))
         json_fix = "Fix: give strings, numbers, booleans, None, lists and dicts only."
-        return cls(
+        definition = cls(
             name=name,
             task=task,
             schedule=encode_schedule(schedule, job=name),
@@ -312,6 +336,13 @@ class Definition:
             options=_json_value(dict(options or {}), f"{where}['options']", json_fix),
             anarchon=_json_value(dict(anarchon or {}), f"{where}['anarchon']", json_fix),
         )
+        size = len(definition.body().encode("utf-8", "surrogatepass"))
+        if size > MAX_BODY_BYTES:
+            raise ConfigurationError(
+                f"{where}: the definition is {size:,} bytes, over {MAX_BODY_BYTES:,}. Fix: pass "
+                "a key the task looks its data up by, not the data itself."
+            )
+        return definition
 
     def body(self) -> str:
         """The JSON text the backend keeps (keys sorted: one text per definition)."""

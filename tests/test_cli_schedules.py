@@ -264,7 +264,7 @@ BAD_ADDS = [
     ("unknown-zone", ["--cron", "0 7 * * *", "--tz", "Mars/Olympus"], "'Mars/Olympus'"),
     ("naive-at", ["--at", "2027-01-01T00:00"], "--at '2027-01-01T00:00' has no time zone"),
     ("not-iso-at", ["--at", "next tuesday"], "is not ISO 8601"),
-    ("past-at", ["--at", "2020-01-01T00:00Z"], "has no slot after now"),
+    ("past-at", ["--at", "2020-01-01T00:00Z"], "has no slot after the change holds"),
     ("bad-duration", ["--every", "5x"], "--every '5x': give seconds or a duration"),
     ("zero-interval", ["--every", "0"], "below the floor of 0.1 s"),
     ("args-not-json", ["--every", "5", "--args", "[1,"], "--args: '[1,' is not JSON"),

@@ -359,6 +359,7 @@ class Scheduler(beat.Scheduler):
         # each one batch, for at most TICK_BUDGET seconds, then yield to beat.
         deadline = time.monotonic() + TICK_BUDGET
         while time.monotonic() < deadline:
+            self.stored.refresh_if_stale()  # a busy tick still reads changes in time
             due = self.agenda.pop_due(self._now_ms(), most=ROUND_EVENTS)
             if not due:
                 break

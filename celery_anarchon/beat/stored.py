@@ -22,6 +22,7 @@ records alone (their commit times are the backend's):
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, MutableMapping
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -103,6 +104,8 @@ class StoredJobs:
         self.code = {name for name, job in jobs.items() if job.source == "code"}
         #: (name, paused_ms) of pauses whose skip is recorded
         self._recorded: set[tuple[str, int]] = set()
+        #: when the change counter was last read (monotonic seconds)
+        self._read_at = 0.0
         #: (name, version) of stored jobs already warned about
         self._warned: set[tuple[str, int]] = set()
 
@@ -158,6 +161,12 @@ class StoredJobs:
                 self.state.version,
             )
 
+    def refresh_if_stale(self) -> None:
+        """:meth:`refresh` when the last read is older than
+        :data:`POLL_INTERVAL` (between the rounds of a busy tick)."""
+        if time.monotonic() - self._read_at >= POLL_INTERVAL:
+            self.refresh()
+
     def refresh(self) -> None:
         """Read the change counter; when it moved, apply what changed since
         the last read. A backend that does not answer is retried at the
@@ -168,6 +177,7 @@ class StoredJobs:
             self._load_late()
             return
         store = self._store()
+        self._read_at = time.monotonic()
         try:
             version = store.stored_version()
             if version <= self.state.version:
@@ -411,15 +421,19 @@ class StoredJobs:
                 job.retired_ms = 0
 
     def _record_pause(self, job: Job, pause: Pause) -> None:
-        """Record the pause once in the job's history: ``skipped`` at the
-        first slot inside it, with the note (every instance picks the same
-        slot, so the record is written once)."""
+        """Record the pause once in the job's history: ``skipped`` 1 ms after
+        the first slot inside it, with the note (every instance picks the
+        same instant, so the record is written once)."""
         key = (job.name, pause.paused_ms)
         if key in self._recorded:
             return
         first = job.slots.next_after(pause.from_ms - 1)
         if first is None:
             return
+        # 1 ms after that slot, where no slot of the job can be (intervals
+        # are at least 0.1 s): the slot itself stays free for a resume's
+        # catch-up claim.
+        first += 1
         note = f"; note: {pause.note}" if pause.note else ""
         error = f"paused since {iso(pause.paused_ms)}{note}; no slot runs until resumed"
         written = self._journal.record_absent([(job, first, State.SKIPPED, error)])

@@ -61,7 +61,7 @@ def write_entries(old: Celery) -> None:
     RedBeatSchedulerEntry("off", "proj.off", 30, enabled=False, app=old).save()
     RedBeatSchedulerEntry("rule", "proj.rule", rrule("MINUTELY", count=5), app=old).save()
     RedBeatSchedulerEntry("code-job", "proj.other", 60, app=old).save()
-    RedBeatSchedulerEntry("delayed", "proj.d", 60, options={"countdown": 5}, app=old).save()
+    RedBeatSchedulerEntry("delayed", "proj.d", 60, options={"link": "proj.after"}, app=old).save()
 
 
 def new_app(tmp_path: Path, prefix: str, **conf: Any) -> Celery:
@@ -94,7 +94,7 @@ def test_each_kind_is_stored_or_reported_with_its_reason(
     assert not report.ok
     assert "rrule" in got["rule"].reason and "MINUTELY" in got["rule"].source
     assert "beat_schedule entry of this app" in got["code-job"].reason
-    assert "unknown option(s) countdown" in got["delayed"].reason
+    assert "unknown option(s) link" in got["delayed"].reason
 
     with Schedules(app) as schedules:
         state = schedules.state()
