@@ -180,13 +180,49 @@ class StoredJobs:
         self._read_at = time.monotonic()
         try:
             version = store.stored_version()
-            if version <= self.state.version:
+            if version == self.state.version:
+                return
+            if version < self.state.version:
+                self._reload(store.stored_changes(0), version)
                 return
             records = store.stored_changes(self.state.version)
         except BackendUnavailable as exc:
             self._link.on_outage(exc)
             return
         self.apply(records)
+
+    def _reload(self, records: list[StoredRecord], version: int) -> None:
+        """The change counter went back (a failover to a replica that missed
+        writes, a Redis restarted without persistence): later writes reuse
+        versions this instance has seen, so every record is read again and
+        what differs from what it runs is applied as a change now."""
+        logger.warning(
+            "anarchon: the stored-jobs version went back from %d to %d (a failover, or a "
+            "backend restarted without its data?): reading every stored job again",
+            self.state.version,
+            version,
+        )
+        now_ms = int(self._clock() * 1000)
+        old, self.state = self.state, StoredState()
+        self.state.apply(records)
+        for name in sorted(set(old.jobs) | set(self.state.jobs)):
+            was, now = old.jobs.get(name), self.state.jobs.get(name)
+            if was is not None and now is not None and was.definition == now.definition:
+                continue
+            if now is None:
+                change = StoredRecord(JOB, name, None, self.state.version, now_ms)
+            else:
+                change = StoredRecord(
+                    JOB, name, now.definition.body(), now.version, now.committed_ms
+                )
+            current = self._jobs.get(name)
+            if current is not None and current.source == "stored":
+                current.version = -1  # every write of the new numbering is newer
+            self._apply_job(change, now_ms)
+        for name in set(old.pauses) | set(self.state.pauses):
+            job = self._jobs.get(name)
+            if job is not None:
+                job.pause = self.state.pauses.get(name)
 
     def apply(self, records: list[StoredRecord]) -> None:
         """Apply ``records`` (oldest first) to the jobs and the agenda."""

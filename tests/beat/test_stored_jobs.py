@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from celery import Celery
@@ -324,3 +325,27 @@ def test_changes_read_in_one_poll_each_hold_from_their_own_second(
         assert any(task == "t.new" for task, _ in sends)
     finally:
         s.close()
+
+
+def test_a_change_counter_that_went_back_is_read_again(own_redis: Any) -> None:
+    """A Redis restarted without its data (or a failover that lost writes):
+    the jobs written afterwards reuse versions the instance has seen, and
+    still run."""
+    url = f"redis://127.0.0.1:{own_redis.port}/0"
+    app = make_app(url, HOURLY)
+    with Schedules(app) as schedules:
+        for name in ("a", "b", "c"):
+            schedules.add(name, "t.noop", 60)
+        s = start(app)
+        try:
+            assert {"a", "b", "c"} <= set(s.jobs)
+            schedules.backend.open()
+            import redis
+
+            redis.Redis(port=own_redis.port).flushall()  # the store's data is gone
+            schedules.add("urgent", "t.noop", 0.5)
+            run_until(s, time.time() + 2.0)
+            assert "urgent" in s.jobs and not {"a", "b", "c"} & set(s.jobs)
+            assert of(sent_slots(app), "urgent")
+        finally:
+            s.close()
