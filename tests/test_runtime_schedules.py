@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,9 @@ from .conftest import MYSQL_URL, POSTGRES_URL, REDIS_URL, require_service
 #: stored jobs' own poll must.
 LONG_ONLY = {"hourly": {"task": "itest.noop", "schedule": 3600.0}}
 CONF = {"beat_schedule": LONG_ONLY, "beat_max_loop_interval": 300, "anarchon_max_late": 20}
+#: Every lease backend.
+LEASE_NAMES = ["sqlite", "postgresql", "mysql", "redis"]
+
 #: The last slots before the beats stop are not judged (claim delay + send).
 TAIL_MS = 3500
 
@@ -107,7 +111,7 @@ def applied_versions(cluster: BeatCluster) -> list[int]:
     return newest
 
 
-@pytest.mark.parametrize("name", ["sqlite", "postgresql", "mysql", "redis"])
+@pytest.mark.parametrize("name", LEASE_NAMES)
 def test_add_update_pause_resume_remove_while_three_beats_run(name: str, tmp_path: Path) -> None:
     require_service("redis")  # the Celery broker of these tests
     require_service(name)
@@ -170,11 +174,13 @@ def schedules_for(url: str) -> Schedules:
     return Schedules(client_app(url, "unused"))
 
 
-def test_an_update_during_a_burst_holds_from_its_second(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", LEASE_NAMES)
+def test_an_update_during_a_burst_holds_from_its_second(name: str, tmp_path: Path) -> None:
     """2,000 code jobs due in the same second every 10 s while the stored
     job is updated in the middle of a burst: every slot is still sent once."""
     require_service("redis")
-    url = backend_for("redis", tmp_path)
+    require_service(name)
+    url = backend_for(name, tmp_path)
     burst = {f"b{i}": {"task": "itest.noop", "schedule": 10.0} for i in range(2000)}
     cluster = start_cluster(url, tmp_path, beat_schedule={**LONG_ONLY, **burst})
     phases: list[Phase] = []
@@ -200,10 +206,11 @@ def test_an_update_during_a_burst_holds_from_its_second(tmp_path: Path) -> None:
     assert sum(1 for (j, t) in sent if t == burst_slot and j.startswith("b")) == 2000
 
 
-def test_kill_9_of_an_instance_mid_change(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", LEASE_NAMES)
+def test_kill_9_of_an_instance_mid_change(name: str, tmp_path: Path) -> None:
     require_service("redis")
-    require_service("postgresql")
-    url = backend_for("postgresql", tmp_path)
+    require_service(name)
+    url = backend_for(name, tmp_path)
     cluster = start_cluster(url, tmp_path)
     phases: list[Phase] = []
     try:
@@ -225,21 +232,37 @@ def test_kill_9_of_an_instance_mid_change(tmp_path: Path) -> None:
     assert judge(sent, "dyn", phases, end_ms) == []
 
 
-def test_a_backend_outage_during_a_change(tmp_path: Path, own_redis: Any) -> None:
+@pytest.fixture(params=["redis", "postgresql"])
+def own_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, Any]]:
+    """A backend server of the test's own, which it may crash and restart:
+    ``(url, server)``."""
+    if request.param == "redis":
+        server = request.getfixturevalue("own_redis")
+        yield f"redis://127.0.0.1:{server.port}/0", server
+        return
+    from .faults.servers import PostgresServer
+
+    if not PostgresServer.available():
+        pytest.skip("no PostgreSQL binaries to run a server of the test's own")
+    with PostgresServer(tmp_path) as pg:
+        yield f"postgresql://postgres@127.0.0.1:{pg.port}/test", pg
+
+
+def test_a_backend_outage_during_a_change(tmp_path: Path, own_server: tuple[str, Any]) -> None:
     """The backend stops right after a change commits and comes back 3 s
     later: every beat stays up, applies the change once it answers, and
     sends no slot twice."""
     require_service("redis")
-    url = f"redis://127.0.0.1:{own_redis.port}/0"
+    url, server = own_server
     cluster = start_cluster(url, tmp_path)
     try:
         with Schedules(client_app(url, cluster.queue)) as schedules:
             added = schedules.add("dyn", "itest.noop", 1.0, options={"queue": cluster.queue})
             time.sleep(3)
             updated = schedules.update("dyn", schedule=2.0)
-            own_redis.crash()
+            server.crash()
             time.sleep(3)
-            own_redis.start()
+            server.start()
             back_ms = int(time.time() * 1000)
             time.sleep(12)
         end_ms = int(time.time() * 1000)
@@ -259,7 +282,7 @@ def test_a_backend_outage_during_a_change(tmp_path: Path, own_redis: Any) -> Non
     assert added.version < updated.version
 
 
-@pytest.mark.parametrize("name", ["sqlite", "postgresql", "mysql", "redis"])
+@pytest.mark.parametrize("name", LEASE_NAMES)
 def test_a_run_limit_is_exact_with_three_beats(name: str, tmp_path: Path) -> None:
     """A stored job every 0.5 s with max_runs=5 and a code entry every
     0.5 s with max_runs=4, racing on three beats: exactly 5 and 4 sends."""
