@@ -528,6 +528,7 @@ def storm_part(args: argparse.Namespace, backend: str) -> dict[str, Any]:
             wait_ready(beats, timeout=120)
             time.sleep(2.0)  # past the first heartbeat: each sees the others
             cpu0 = [common.cpu_seconds_exact(b.pid) for b in beats]
+            server0 = common.server_cpu_seconds()
             written = run_writers(args, url, jobs)
             commits = written["commits"]
             last = commits[-1][2] if commits else 0
@@ -535,6 +536,8 @@ def storm_part(args: argparse.Namespace, backend: str) -> dict[str, Any]:
             for beat in beats:
                 beat.check_alive()
             cpu1 = [common.cpu_seconds_exact(b.pid) for b in beats]
+            server1 = common.server_cpu_seconds()
+            result["server_cpu_s"] = {k: server1[k] - server0.get(k, 0.0) for k in server1}
             store = stack.enter_context(_closing(open_store(url)))
             result["store_version"] = store.stored_version()
             result["versions_at_settle"] = [
@@ -811,10 +814,17 @@ def storm_report(results: Sequence[dict[str, Any]], args: argparse.Namespace) ->
             f"**{s['stale']} stale, {s['duplicates']} sent twice or more**, "
             f"{s['never_sent']} of {s['due_in_window']:,} due never sent; other messages "
             f"{r['other_messages']}; beat log lines at WARNING or above: {len(r['problems'])}; "
+            f"server CPU from the first update to the end of the settle: {_servers(r)}; "
             f"load (1 min) {r['load_before'][0]:.2f} before, {r['load_after'][0]:.2f} after"
         )
         lines += [f"  - {p[:300]}" for p in sorted(set(r["problems"]))[:10]]
     return lines
+
+
+def _servers(r: dict[str, Any]) -> str:
+    """CPU seconds of the backend's server and of Redis (the broker)."""
+    names = sorted({"redis", r["backend"]})
+    return ", ".join(f"{n} {r['server_cpu_s'].get(n, 0.0):.1f} s" for n in names)
 
 
 def report(results: dict[str, Any], args: argparse.Namespace) -> str:
