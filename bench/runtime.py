@@ -94,8 +94,8 @@ UPDATE_PERIODS = (1800.0, 5400.0, 7200.0)
 SEED_JOBS = 20
 #: The task of every job (``bench.bench_app``'s, takes no argument).
 TASK = "bench.noop"
-#: Log lines with the record's epoch time first.
-LOG_FORMAT = "[%(created).3f: %(levelname)s/%(processName)s] %(message)s"
+#: Log lines with the record's epoch time first (to the microsecond).
+LOG_FORMAT = "[%(created).6f: %(levelname)s/%(processName)s] %(message)s"
 
 LINE = re.compile(r"^\[(\d+\.\d+): (\w+)/[^\]]*\] (.*)$")
 APPLIED = re.compile(

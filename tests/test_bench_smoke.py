@@ -3,7 +3,8 @@
 No timing is asserted: the figures of a run this small mean nothing. What is
 checked is that every benchmark runs, prints its table, and (burst) that
 every slot it measured was sent exactly once, (runtime) that every change
-was applied by every instance.
+was applied by every instance, (stored_scale) that every instance reached
+the store's version and no slot was sent twice or under a stale definition.
 """
 
 from __future__ import annotations
@@ -13,7 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from bench import burst, claims, figures, footprint, misses, profile, runtime, scale, steady
+from bench import (
+    burst,
+    claims,
+    figures,
+    footprint,
+    misses,
+    profile,
+    runtime,
+    scale,
+    steady,
+    stored_scale,
+)
 
 from .conftest import require_service
 
@@ -156,6 +168,70 @@ def test_runtime_smoke(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> No
     # the start-up beat read the stored jobs: the size measured is the size stored
     assert "20 stored job(s)" in results["startup"][1]["loaded"][0]
     assert "20 stored job(s)" in results["idle"][1]["loaded"][0]
+
+
+@pytest.mark.integration
+def test_stored_scale_smoke(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Both sizes start, idle and apply single changes; under the storm
+    every instance applies every update, ends on the store's version, and
+    the firing jobs' slots are sent once each, under the definition that
+    held at them."""
+    require_service("redis")
+    out = tmp_path / "stored-scale.json"
+    assert stored_scale.main(["--tiny", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| redis | 200 / 20 |" in printed
+    assert "converged: yes" in printed
+    results = json.loads(out.read_text())
+    [size] = results["size"]
+    assert "error" not in size, size
+    assert [(r["stored"], "error" in r) for r in size["startup"]] == [(20, False), (200, False)]
+    assert "200 stored job(s)" in size["startup"][1]["loaded"][0]
+    assert "200 stored job(s)" in size["idle"]["200"]["loaded"][0]
+    assert [len(size["changes"][n]) for n in ("20", "200")] == [2, 2]
+    [storm] = results["storm"]
+    assert "error" not in storm, storm
+    assert storm["commits"] > 0
+    assert [i["applied"] for i in storm["instances"]] == [storm["commits"]] * 2
+    assert storm["versions_at_settle"] == [storm["store_version"]] * 2
+    assert storm["converged"]
+    sends = storm["sends"]
+    assert sends["slots_sent"] > 0 and sends["due_in_window"] > 0
+    assert (sends["stale"], sends["duplicates"], sends["never_sent"]) == (0, 0, 0), sends
+    assert storm["problems"] == []
+
+
+def test_stored_scale_send_check() -> None:
+    """A sent slot is judged by the definition that held at it (from its
+    commit plus 1 s): an odd second while the 2 s one held is stale, a slot
+    sent twice is a duplicate, a slot of the holding definition not sent
+    is missing."""
+    # every 1 s from 10.0 s (committed 9.0 s), every 2 s from 13.5 s (12.5 s)
+    held = stored_scale.definitions({"a": (9_000, 1.0)}, [("a", 2.0, 7, 12_500)])
+    assert held == {"a": [(10_000, 1.0), (13_500, 2.0)]}
+    assert stored_scale.holding(held["a"], 9_999) is None
+    assert stored_scale.holding(held["a"], 13_000) == 1.0
+    assert stored_scale.holding(held["a"], 13_500) == 2.0
+    sent = [("a", ms, 0.0) for ms in (10_000, 11_000, 12_000, 13_000, 14_000, 15_000)]
+    sent += [("a", 14_000, 0.1), ("b", 15_000, 0.0)]  # twice; not a checked job
+    found = stored_scale.check_sends(sent, held, (10_000, 18_000))
+    assert found["messages"] == 7
+    assert found["slots_sent"] == 6
+    assert (found["stale"], found["stale_slots"]) == (1, [("a", 15_000)])
+    assert (found["duplicates"], found["duplicate_slots"]) == (1, [("a", 14_000)])
+    # due: 10, 11, 12, 13 (1 s), 14, 16, 18 (2 s); 16 and 18 not sent
+    assert found["due_in_window"] == 7
+    assert (found["never_sent"], found["never_slots"]) == (2, [("a", 16_000), ("a", 18_000)])
+
+
+def test_stored_scale_delays() -> None:
+    """An update counts as applied at the first batch of a version at least
+    its own; one no batch reached is NaN."""
+    commits = [("a", 1.0, 5, 1_000), ("b", 2.0, 6, 1_100), ("a", 2.0, 9, 1_200)]
+    batches = [(4, 0.9, 0.9), (6, 1.4, 1.39), (8, 1.9, 1.88)]
+    first, second, never = stored_scale.change_delays(commits, batches)
+    assert first == pytest.approx(0.4) and second == pytest.approx(0.3)
+    assert never != never
 
 
 def test_scale_smoke(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
