@@ -116,7 +116,7 @@ class SQLStored(SQLRegistry, StoredJobsStore):
     def _write_many(self, writes: Sequence[StoredWrite]) -> list[StoredRecord | None]:
         t = self._tables.stored
         with self._write("write a stored job") as conn:
-            self._next_version(conn, 0)  # the counter's lock first: writers queue on it
+            version = self._next_version(conn, 0)  # its lock first: writers queue on it
             currents = []
             for w in writes:
                 current = conn.execute(
@@ -134,9 +134,16 @@ class SQLStored(SQLRegistry, StoredJobsStore):
                 if current is None and w.body is None:
                     written.append(None)  # nothing to remove
                     continue
-                version = self._next_version(conn)
+                version += 1
                 written.append(self._write_row(conn, w, current, version, now))
+            if any(written):
+                self._set_version(conn, version)  # once for the batch, under the same lock
         return written
+
+    def _set_version(self, conn: Connection, version: int) -> None:
+        meta = self._tables.meta
+        update = sa.update(meta).where(meta.c.name == VERSION_ROW)
+        conn.execute(update.values(value=str(version)))
 
     def _write_row(
         self, conn: Connection, w: StoredWrite, current: Any, version: int, now: int
@@ -174,6 +181,5 @@ class SQLStored(SQLRegistry, StoredJobsStore):
             value = conn.execute(locked).scalar()
         version = int(value or 0) + step
         if step:
-            update = sa.update(meta).where(meta.c.name == VERSION_ROW)
-            conn.execute(update.values(value=str(version)))
+            self._set_version(conn, version)
         return version
