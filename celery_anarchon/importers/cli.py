@@ -27,12 +27,22 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import click
 
-from ..backends import sanitize_url
-from ..exceptions import BackendUnavailable, ConfigurationError
+from ..checks import one_line
+from ..cli_common import (
+    EXIT_OK,
+    EXIT_PROBLEM,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    Fail,
+    app_of,
+    handled,
+    json_option,
+    schedule_file,
+)
 from .common import (
     ALREADY_IMPORTED,
     DONE,
@@ -48,12 +58,6 @@ from .common import (
 
 __all__ = ["import_group"]
 
-EXIT_OK = 0
-EXIT_PROBLEM = 1
-EXIT_USAGE = 2
-EXIT_UNREACHABLE = 3
-EXIT_CONFIG = 4
-
 #: How the text output names each status.
 LABELS = {
     IMPORTED: "imported",
@@ -67,67 +71,19 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def _handled(func: _F) -> _F:
-    """Turn the errors of an import into one line (or one JSON object) and
-    the exit code of the module docstring."""
+    """:func:`~celery_anarchon.cli_common.handled`, with the source's own
+    errors: an unreadable source (exit 2) and an unreachable one (exit 3)."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        as_json = bool(kwargs.get("as_json"))
         try:
             return func(*args, **kwargs)
         except ImportSourceError as exc:
-            _exit(EXIT_USAGE, _one_line(exc), as_json)
+            raise Fail(EXIT_USAGE, one_line(exc)) from exc
         except SourceUnavailable as exc:
-            _exit(EXIT_UNREACHABLE, f"source unreachable: {_one_line(exc)}", as_json)
-        except BackendUnavailable as exc:
-            _exit(EXIT_UNREACHABLE, f"claim backend unreachable: {_one_line(exc)}", as_json)
-        except ConfigurationError as exc:
-            message = (
-                f"configuration error: {_one_line(exc)} "
-                "(`celery -A proj anarchon check` lists every problem)"
-            )
-            _exit(EXIT_CONFIG, message, as_json)
+            raise Fail(EXIT_UNREACHABLE, f"source unreachable: {one_line(exc)}") from exc
 
-    return wrapper  # type: ignore[return-value]
-
-
-def _one_line(exc: BaseException) -> str:
-    return sanitize_url(" ".join(str(exc).split()))
-
-
-def _exit(code: int, message: str, as_json: bool) -> NoReturn:
-    if as_json:
-        click.echo(json.dumps({"error": message, "exit_code": code}))
-    else:
-        click.echo(f"celery anarchon: {message}", err=True)
-    raise click.exceptions.Exit(code)
-
-
-def _app(ctx: click.Context) -> Any:
-    """The Celery app of ``celery -A``.
-
-    Raises:
-        click.UsageError: no ``-A`` (Celery's empty default app).
-    """
-    from celery import _state
-
-    app = getattr(ctx.obj, "app", None)
-    if app is None or (
-        app is _state.default_app
-        and not app.conf.beat_schedule
-        and app.conf.get("anarchon_backend") is None
-    ):
-        raise click.UsageError(
-            "no app given: run it as `celery -A proj anarchon import ...`, with -A naming "
-            "the module of your Celery app (the one beat runs with)",
-            ctx=ctx,
-        )
-    return app
-
-
-def _schedule_file(ctx: click.Context) -> str | None:
-    value = ctx.find_root().meta.get("anarchon.schedule")
-    return value if isinstance(value, str) else None
+    return handled(wrapper)  # type: ignore[return-value]
 
 
 _dry_run = click.option(
@@ -139,7 +95,7 @@ _epoch_anchor = click.option(
     help="Anchor interval jobs on the Unix epoch instead of their last run (which "
     "keeps the phase they had).",
 )
-_json = click.option("--json", "as_json", is_flag=True, help="Print one JSON object (for scripts).")
+_json = json_option
 
 
 @click.group(name="import")
@@ -182,12 +138,12 @@ def redbeat(
     from .redbeat import import_redbeat
 
     report = import_redbeat(
-        _app(ctx),
+        app_of(ctx),
         redis_url,
         key_prefix=key_prefix,
         dry_run=dry_run,
         keep_phase=not epoch_anchor,
-        schedule_filename=_schedule_file(ctx),
+        schedule_filename=schedule_file(ctx),
     )
     _finish(report, as_json)
 
@@ -215,11 +171,11 @@ def django_celery_beat(
     from .django import import_django_celery_beat
 
     report = import_django_celery_beat(
-        _app(ctx),
+        app_of(ctx),
         database_url,
         dry_run=dry_run,
         keep_phase=not epoch_anchor,
-        schedule_filename=_schedule_file(ctx),
+        schedule_filename=schedule_file(ctx),
     )
     _finish(report, as_json)
 
