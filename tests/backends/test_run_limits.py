@@ -6,10 +6,11 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from dataclasses import replace
 
 import pytest
 
-from celery_anarchon.backends.base import ClaimRequest, LeaseBackend
+from celery_anarchon.backends.base import ClaimRequest, LeaseBackend, State
 
 from ..conftest import RUN_ID, BackendFactory, require_service
 
@@ -93,3 +94,26 @@ def test_the_last_run_lost_to_a_live_owner_is_taken_and_a_released_run_is_given_
     [again] = b.claim([request_for("one", now_ms, 1)])
     assert again.won, again
     assert a.won_counts(["one"]) == {"one": 1}
+
+
+def test_a_take_over_keeps_the_run_and_a_lost_run_is_not_given_back(
+    make_backend: BackendFactory, backend_name: str
+) -> None:
+    """The documented count: a backup's take-over of a counted claim counts
+    nothing more; recording a won claim ``lost`` gives nothing back."""
+    tag = uuid.uuid4().hex[:6]
+    prefix = f"anarchon-test:{RUN_ID}:{tag}:" if backend_name == "redis" else f"t{RUN_ID}_{tag}_"
+    a, b = make_backend("a", prefix=prefix), make_backend("b", prefix=prefix)
+    now_ms = int(time.time() * 1000)
+    short = replace(request_for("k", now_ms, 2), lease_ms=1)
+    [held] = a.claim([short])
+    assert held.won
+    time.sleep(0.05)  # the lease ran out: its owner counts as dead
+    [taken] = b.take_over_many([short])
+    assert taken.won and taken.token == 2
+    assert a.won_counts(["k"]) == {"k": 1}
+    [second] = b.claim([request_for("k", now_ms + 1, 2)])
+    assert second.won
+    assert b.mark(second, State.LOST, error="send failed")
+    assert a.won_counts(["k"]) == {"k": 2}
+    assert a.claim([request_for("k", now_ms + 2, 2)])[0].reason == "finished"
