@@ -22,7 +22,7 @@ from zoneinfo import ZoneInfo
 from celery import beat
 from kombu.serialization import dumps
 
-from .backends import backend_from_url, sanitize_url
+from .backends import backend_from_settings, backend_from_url, sanitize_url
 from .backends.base import Backend
 from .beat.registry import registry_ttl
 from .exceptions import BackendUnavailable, ConfigurationError
@@ -325,12 +325,7 @@ def _check_backend(
     against what it supports. Uses the scheduler's own start-up checks so
     that ``check`` refuses exactly what beat refuses."""
     try:
-        backend = backend_from_url(
-            settings.backend,
-            instance="anarchon-check",
-            options=settings.effective_backend_options(),
-            client=settings.backend_client,
-        )
+        backend = backend_from_settings(settings, instance="anarchon-check")
     except ConfigurationError as exc:
         result.problem("anarchon_backend", str(exc))
         return None

@@ -23,7 +23,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from .backends import backend_from_url
+from .backends import backend_from_settings
 from .backends.base import Backend, InstanceInfo, RunRecord, State
 from .backends.store import StoredJobsStore
 from .beat.registry import new_instance_id
@@ -95,12 +95,7 @@ class Control:
         self.app = app
         self.settings = Settings.from_app(app, schedule_filename=schedule_filename)
         self.instance_id = new_instance_id()
-        self.backend = backend or backend_from_url(
-            self.settings.backend,
-            instance=self.instance_id,
-            options=self.settings.effective_backend_options(),
-            client=self.settings.backend_client,
-        )
+        self.backend = backend or backend_from_settings(self.settings, instance=self.instance_id)
         entries = {
             name: Entry(**dict(spec, name=name, app=app))
             for name, spec in (app.conf.beat_schedule or {}).items()

@@ -29,7 +29,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from .backends import backend_from_url
+from .backends import backend_from_settings
 from .backends.base import Backend
 from .backends.store import JOB, PAUSE, StoredJobsStore, StoredWrite
 from .beat.registry import new_instance_id
@@ -127,12 +127,7 @@ class Schedules:
     ) -> None:
         self.app = app
         self.settings = Settings.from_app(app, schedule_filename=schedule_filename)
-        self.backend = backend or backend_from_url(
-            self.settings.backend,
-            instance=new_instance_id(),
-            options=self.settings.effective_backend_options(),
-            client=self.settings.backend_client,
-        )
+        self.backend = backend or backend_from_settings(self.settings, instance=new_instance_id())
         if not isinstance(self.backend, StoredJobsStore):
             source = (
                 "anarchon_backend"

@@ -118,7 +118,7 @@ from typing import Any, TypeVar
 from celery import signals
 from celery.exceptions import Ignore
 
-from .backends import backend_from_url
+from .backends import backend_from_settings
 from .backends.base import Backend, Claim, LeaseBackend, State
 from .exceptions import AnarchonError
 from .message import HEADER_JOB, HEADER_SLOT, HEADER_TOKEN, expires_for, message_expiry_ms
@@ -327,11 +327,8 @@ class WorkerIntegration:
             self._drop_backend()
         if self._backend is None:
             settings = self.settings
-            self._backend = backend_from_url(
-                settings.backend,
-                instance=f"worker:{socket.gethostname()}:{os.getpid()}",
-                options=settings.effective_backend_options(),
-                client=settings.backend_client,
+            self._backend = backend_from_settings(
+                settings, instance=f"worker:{socket.gethostname()}:{os.getpid()}"
             )
             self._backend_pid = os.getpid()
             self._backend_ready = False

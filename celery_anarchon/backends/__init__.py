@@ -12,7 +12,7 @@ import importlib
 import importlib.util
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from kombu.utils.url import maybe_sanitize_url
@@ -20,11 +20,15 @@ from kombu.utils.url import maybe_sanitize_url
 from ..exceptions import ConfigurationError
 from .base import Backend
 
+if TYPE_CHECKING:
+    from ..settings import Settings
+
 __all__ = [
     "BACKENDS",
     "SCHEMES",
     "Backend",
     "Scheme",
+    "backend_from_settings",
     "backend_from_url",
     "sanitize_url",
     "scheme_of",
@@ -163,6 +167,22 @@ def split_options(url: str) -> tuple[str, dict[str, str]]:
     base = url.split("?", 1)[0]
     query = urlencode(kept, safe=":/;,")
     return (f"{base}?{query}" if query else base), ours
+
+
+def backend_from_settings(settings: Settings, *, instance: str) -> Backend:
+    """Build (without connecting) the backend an app's settings name:
+    ``anarchon_backend`` (or the user's client) with
+    ``anarchon_backend_options``, as :func:`backend_from_url` does.
+
+    Raises:
+        ConfigurationError: as :func:`backend_from_url`.
+    """
+    return backend_from_url(
+        settings.backend,
+        instance=instance,
+        options=settings.effective_backend_options(),
+        client=settings.backend_client,
+    )
 
 
 def backend_from_url(

@@ -24,7 +24,7 @@ from typing import Any
 
 from celery import beat
 
-from ..backends import backend_from_url, scheme_of
+from ..backends import backend_from_settings, scheme_of
 from ..backends.base import Backend, InstanceInfo, LeaseBackend, State
 from ..checks import args_problem, check_backend_supports, run_check
 from ..exceptions import ConfigurationError
@@ -220,12 +220,7 @@ class Scheduler(beat.Scheduler):
         settings = Settings.from_app(self.app, schedule_filename=self.schedule_filename)
         self._settings = settings
         if self.link.backend is None:
-            self.link.backend = backend_from_url(
-                settings.backend,
-                instance=self.instance_id,
-                options=settings.effective_backend_options(),
-                client=settings.backend_client,
-            )
+            self.link.backend = backend_from_settings(settings, instance=self.instance_id)
         self._jobs = build_jobs(self.schedule, settings, app_zone(self.app))
         for job in self._jobs.values():
             check_backend_supports(self.link.backend, settings, job)
@@ -601,11 +596,8 @@ class Scheduler(beat.Scheduler):
             settings = self._settings or Settings.from_app(
                 self.app, schedule_filename=self.schedule_filename
             )
-            backend = self.link.backend or backend_from_url(
-                settings.backend,
-                instance=self.instance_id,
-                options=settings.effective_backend_options(),
-                client=settings.backend_client,
+            backend = self.link.backend or backend_from_settings(
+                settings, instance=self.instance_id
             )
             where = backend.describe()
         except ConfigurationError as exc:
