@@ -260,14 +260,7 @@ def _stored_json(schedules: Schedules, action: str, stored: StoredJob) -> dict[s
         "schedule": definition.describe_schedule(),
         "next_slot_ms": slot_ms,
         "next_slot": None if slot_ms is None else iso(slot_ms, exact=True),
-        "definition": {
-            "task": definition.task,
-            "schedule": definition.schedule,
-            "args": definition.args,
-            "kwargs": definition.kwargs,
-            "options": definition.options,
-            "anarchon": definition.anarchon,
-        },
+        "definition": definition.fields(),
     }
 
 

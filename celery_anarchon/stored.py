@@ -344,9 +344,10 @@ class Definition:
             )
         return definition
 
-    def body(self) -> str:
-        """The JSON text the backend keeps (keys sorted: one text per definition)."""
-        fields = {
+    def fields(self) -> dict[str, Any]:
+        """The definition without its name, as JSON holds it (the body's
+        object; what the commands print)."""
+        return {
             "task": self.task,
             "schedule": self.schedule,
             "args": self.args,
@@ -354,7 +355,10 @@ class Definition:
             "options": self.options,
             "anarchon": self.anarchon,
         }
-        return json.dumps(fields, sort_keys=True, separators=(",", ":"))
+
+    def body(self) -> str:
+        """The JSON text the backend keeps (keys sorted: one text per definition)."""
+        return json.dumps(self.fields(), sort_keys=True, separators=(",", ":"))
 
     @classmethod
     def from_body(cls, name: str, body: str) -> Definition:

@@ -307,7 +307,7 @@ def _store_one(
         return result
     result.schedule = definition.describe_schedule()
     result.paused = entry.paused
-    result.definition = _fields(definition)
+    result.definition = definition.fields()
     if entry.name in taken:
         result.status = SKIPPED
         result.reason = f"{taken[entry.name]} has the name: code entries stay code-defined"
@@ -351,14 +351,3 @@ def _store_one(
 def iso(at: datetime) -> str:
     """An aware datetime as the reports show it: ``2026-12-03T06:57:12Z`` (UTC)."""
     return at.astimezone(timezone.utc).isoformat().replace("+00:00", "Z")
-
-
-def _fields(definition: Definition) -> dict[str, Any]:
-    return {
-        "task": definition.task,
-        "schedule": definition.schedule,
-        "args": definition.args,
-        "kwargs": definition.kwargs,
-        "options": definition.options,
-        "anarchon": definition.anarchon,
-    }
