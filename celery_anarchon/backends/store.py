@@ -160,15 +160,11 @@ class StoredJobsStore(abc.ABC):
             BackendUnavailable: no answer; nothing or everything was written.
         """
 
+    @abc.abstractmethod
     def stored_records(self, names: Sequence[str], kind: str) -> dict[str, StoredRecord]:
-        """The current records of ``names`` of one ``kind`` (tombstones left out).
+        """The current records of ``names`` of one ``kind`` (tombstones left
+        out), by name: one lookup per name, not a read of every record.
 
         Raises:
             BackendUnavailable: no answer.
         """
-        wanted = set(names)
-        found = {}
-        for record in self.stored_changes(0):
-            if record.kind == kind and record.name in wanted and record.body is not None:
-                found[record.name] = record
-        return found
