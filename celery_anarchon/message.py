@@ -17,10 +17,13 @@ from .settings import EXPIRES_NEXT_SLOT, JobOptions, parse_expires
 from .times import utc as _utc
 
 __all__ = [
+    "HEADER_DELAYED",
     "HEADER_JOB",
     "HEADER_SLOT",
     "HEADER_TOKEN",
+    "REDIS_TRANSPORTS",
     "TASK_ID_NAMESPACE",
+    "bounded_connection",
     "expires_for",
     "manual_task_id",
     "message_expiry_ms",
@@ -31,10 +34,17 @@ __all__ = [
 #: Namespace of the task ids derived from ``(job, slot)``.
 TASK_ID_NAMESPACE = uuid.UUID("6b3f4a52-2d0e-4c1e-9a55-0d1f3c7e8a90")
 
+#: kombu transports that ignore ``connect_timeout`` (their own socket
+#: timeouts are set instead, see :func:`bounded_connection`).
+REDIS_TRANSPORTS = frozenset({"redis", "rediss", "sentinel"})
+
 #: Message headers the scheduler sets (see docs/how-it-works.md).
 HEADER_JOB = "anarchon_job"
 HEADER_SLOT = "anarchon_slot"
 HEADER_TOKEN = "anarchon_token"
+#: The header of a released parked task (its value: the store's namespace);
+#: the worker integration's start gate discards a second delivery of its id.
+HEADER_DELAYED = "anarchon_delayed"
 
 
 def task_id_for(job: str, slot_ms: int, *, namespace: str) -> str:
@@ -166,3 +176,25 @@ def send_slot(
     return app.send_task(
         entry.task, args, kwargs, producer=producer, task_id=task_id, headers=headers, **options
     )
+
+
+def bounded_connection(app: Any) -> Any:
+    """A new broker connection for publishing (``app.connection_for_write()``)
+    whose every call is bounded in time.
+
+    The Redis transport ignores ``broker_connection_timeout``: there it is
+    also the connection's ``socket_connect_timeout`` and ``socket_timeout``,
+    unless ``broker_transport_options`` sets them, so a broker that does not
+    answer fails a publish after that long instead of blocking the caller.
+    Not connected yet; the caller releases it.
+    """
+    connection = app.connection_for_write()
+    if connection.transport_cls not in REDIS_TRANSPORTS:
+        return connection
+    timeout = float(app.conf.broker_connection_timeout or 4.0)
+    own = app.conf.broker_transport_options or {}
+    options = {k: timeout for k in ("socket_connect_timeout", "socket_timeout") if k not in own}
+    if not options:
+        return connection
+    connection.release()
+    return app.connection_for_write(transport_options=options)

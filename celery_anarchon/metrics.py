@@ -24,6 +24,9 @@ Exported series (``job`` is the ``beat_schedule`` key):
   seconds, over every slot this instance sent.
 * ``anarchon_backend_call_seconds{operation}``: histogram of backend round
   trips (``claim``, ``mark``, ...), seconds.
+* ``anarchon_delayed_total{outcome}``: counter of parked tasks this
+  instance's releaser ``released``, ``taken_over`` (from an expired lease:
+  possibly published twice) or ``failed`` to publish (given back);
 * ``anarchon_backend_errors_total{operation}``: counter of backend calls that
   failed (unreachable, timed out).
 """
@@ -87,6 +90,14 @@ class Metrics:
     def backend_error(self, operation: str) -> None:
         """A backend call failed (unavailable or timed out)."""
 
+    def delayed_released(self, count: int, taken_over: int) -> None:
+        """The releaser published and deleted ``count`` parked tasks; it
+        took ``taken_over`` over from an expired lease (each of those may
+        have been published before: a possible duplicate publish)."""
+
+    def delayed_failed(self, count: int) -> None:
+        """``count`` parked tasks could not be published and were given back."""
+
     def close(self) -> None:
         """Stop serving (if serving)."""
 
@@ -140,6 +151,15 @@ class PrometheusMetrics(Metrics):
             ["operation"],
             registry=self.registry,
         )
+        self.delayed = prometheus.Counter(
+            "anarchon_delayed",
+            "Parked tasks this instance's releaser acted on, by outcome (released, "
+            "taken_over: possibly published twice, failed: given back to retry).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        for outcome in ("released", "taken_over", "failed"):
+            self.delayed.labels(outcome)
         for job in jobs:
             for outcome in OUTCOMES:
                 self.slots.labels(job, outcome)

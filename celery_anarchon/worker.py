@@ -121,7 +121,14 @@ from celery.exceptions import Ignore
 from .backends import backend_from_settings
 from .backends.base import Backend, Claim, LeaseBackend, State
 from .exceptions import AnarchonError
-from .message import HEADER_JOB, HEADER_SLOT, HEADER_TOKEN, expires_for, message_expiry_ms
+from .message import (
+    HEADER_DELAYED,
+    HEADER_JOB,
+    HEADER_SLOT,
+    HEADER_TOKEN,
+    expires_for,
+    message_expiry_ms,
+)
 from .settings import Settings
 from .times import iso as _iso
 
@@ -193,13 +200,7 @@ def claim_of(request: Any) -> Claim | None:
     with a token of None, gives None (untouched by the integration); a
     malformed slot is logged and gives None.
     """
-    headers = getattr(request, "headers", None) or {}
-
-    def header(name: str) -> Any:
-        value = getattr(request, name, None)
-        return headers.get(name) if value is None else value
-
-    job, slot, token = header(HEADER_JOB), header(HEADER_SLOT), header(HEADER_TOKEN)
+    job, slot, token = (_header(request, name) for name in (HEADER_JOB, HEADER_SLOT, HEADER_TOKEN))
     if job is None or slot is None or token is None:
         return None
     try:
@@ -213,6 +214,15 @@ def claim_of(request: Any) -> Claim | None:
         )
         return None
     return Claim(job=str(job), slot_ms=slot_ms, won=True, token=token)
+
+
+def _header(request: Any, name: str) -> Any:
+    """A custom header of a task request: Celery puts them on the request
+    as attributes and in ``request.headers``."""
+    value = getattr(request, name, None)
+    if value is None:
+        value = (getattr(request, "headers", None) or {}).get(name)
+    return value
 
 
 def error_text(exc: BaseException | None) -> str:
@@ -387,6 +397,9 @@ class WorkerIntegration:
         if getattr(request, _GATED_ATTR, False):
             return
         setattr(request, _GATED_ATTR, True)
+        if _header(request, HEADER_DELAYED) is not None:
+            self._gate_released(request)
+            return
         claim = claim_of(request)
         if claim is None:
             return
@@ -427,6 +440,50 @@ class WorkerIntegration:
             )
             raise Ignore()
         self._start(request, _Run(claim, lease_ms, task_id))
+
+    def _gate_released(self, request: Any) -> None:
+        """The start gate of a released parked task: the first delivery of
+        its task id passes, a second one (a duplicate publish after a
+        releaser's take-over) is discarded. A broker's redelivery of the
+        same message (``redelivered``: its worker died, ``acks_late``) and a
+        retry pass, as in plain Celery.
+
+        Raises:
+            Ignore: a second delivery, or (``anarchon_worker_strict``) the
+                store could not be asked.
+        """
+        task_id = str(request.id)
+        if request.retries or _redelivered(request):
+            return
+        try:
+            from .delayed import store_for
+
+            store, delayed = store_for(self.app)
+            first = store.mark_started(task_id, int(delayed.dedupe_ttl_s * 1000))
+        except Exception as exc:
+            if self._strict():
+                logger.error(
+                    "anarchon: discarded released task %s: the start gate could not be "
+                    "checked (%s) and anarchon_worker_strict is set",
+                    task_id,
+                    exc,
+                )
+                raise Ignore() from None
+            logger.warning(
+                "anarchon: running released task %s unchecked: the start gate could not be "
+                "checked (%s); a second delivery of it would run too",
+                task_id,
+                exc,
+            )
+            return
+        if not first:
+            logger.warning(
+                "anarchon: discarded a second delivery of released task %s (%s): it started "
+                "already",
+                task_id,
+                getattr(request, "task", None) or "?",
+            )
+            raise Ignore()
 
     def _pass_gate(self, claim: Claim, task: Any, request: Any, lease_ms: int) -> bool:
         backend = self.backend()

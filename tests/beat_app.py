@@ -106,3 +106,11 @@ def retry_once(self: Any, path: str) -> None:
     _append(path, f"attempt-{self.request.retries}")
     if self.request.retries == 0:
         raise self.retry(countdown=0.2)
+
+
+@app.task(name="itest.stamp")
+def stamp(path: str, tag: str) -> None:
+    """Append ``tag <task id> <epoch ms now>`` to ``path``: when a released
+    parked task ran, for the delayed-task tests."""
+    with open(path, "a") as f:
+        f.write(f"{tag} {stamp.request.id} {int(time.time() * 1000)}\n")

@@ -27,7 +27,9 @@ from celery import beat
 from ..backends import backend_from_settings, scheme_of
 from ..backends.base import Backend, InstanceInfo, LeaseBackend, State
 from ..checks import args_problem, check_backend_supports, run_check
+from ..delayed.beat import start_releaser
 from ..exceptions import ConfigurationError
+from ..message import bounded_connection
 from ..metrics import Metrics, metrics_from_app
 from ..model import Entry, Job, app_zone, build_jobs
 from ..settings import Settings, started_by_beat
@@ -51,10 +53,6 @@ from .takeover import TakeOver
 __all__ = ["TICK_BUDGET", "Scheduler"]
 
 logger = logging.getLogger(__name__)
-
-#: kombu transports that ignore ``connect_timeout`` (their own socket
-#: timeouts are set instead, see :attr:`Scheduler.connection`).
-REDIS_TRANSPORTS = frozenset({"redis", "rediss", "sentinel"})
 
 #: Longest a tick keeps taking rounds of due slots before returning, seconds.
 TICK_BUDGET = 1.0
@@ -237,6 +235,7 @@ class Scheduler(beat.Scheduler):
         self.stored.load()
         self.stored.check_limits()
         self.agenda.plan_first_slots()
+        self.releaser = start_releaser(self.app, settings, self.instance_id, self.metrics)
         self._setup_done = True
 
     def _wire(self, settings: Settings) -> None:
@@ -475,21 +474,9 @@ class Scheduler(beat.Scheduler):
     @cached_property
     def connection(self) -> Any:
         """Beat's broker connection for publishing (Celery's, cached the same
-        way and released by :meth:`close`). The Redis transport ignores
-        ``broker_connection_timeout``: there it is also the connection's
-        ``socket_connect_timeout`` and ``socket_timeout``, unless
-        ``broker_transport_options`` sets them, so a broker that does not
-        answer fails a publish after that long instead of blocking beat."""
-        connection = self.app.connection_for_write()
-        if connection.transport_cls not in REDIS_TRANSPORTS:
-            return connection
-        timeout = float(self.app.conf.broker_connection_timeout or 4.0)
-        own = self.app.conf.broker_transport_options or {}
-        options = {k: timeout for k in ("socket_connect_timeout", "socket_timeout") if k not in own}
-        if not options:
-            return connection
-        connection.release()
-        return self.app.connection_for_write(transport_options=options)
+        way and released by :meth:`close`), bounded in time
+        (:func:`~celery_anarchon.message.bounded_connection`)."""
+        return bounded_connection(self.app)
 
     def _ensure_connected(self) -> Any:
         """Connect beat's broker connection for :attr:`producer`: one
@@ -555,6 +542,9 @@ class Scheduler(beat.Scheduler):
                 except Exception:
                     logger.exception("anarchon: closing the backend failed")
             link.ready = False
+            releaser, self.releaser = self.releaser, None
+            if releaser is not None:
+                releaser.stop()
             self.metrics.close()
         super().close()
 

@@ -1,0 +1,369 @@
+"""Durable delayed tasks: park a task in the claim backend until it is due,
+and let the beat cluster release it exactly once (docs/delayed-tasks.md).
+
+A parked task becomes an ordinary Celery message when it is released, so
+workers need nothing new; with the worker integration installed
+(:func:`celery_anarchon.worker.install`) a second delivery of one released
+task id is discarded.
+
+Every function takes the Celery app first and reuses one store client per
+app (and per process: a forked child makes its own).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from kombu.exceptions import EncodeError
+
+from ..exceptions import ConfigurationError
+from ..message import HEADER_DELAYED
+from .model import IN_FLIGHT, PENDING, Parked, ParkedTask, decode_payload, encode_payload
+from .settings import DelayedSettings
+from .store import DelayedStore
+
+__all__ = [
+    "HEADER_DELAYED",
+    "IN_FLIGHT",
+    "OPTIONS",
+    "PENDING",
+    "ParkedTask",
+    "cancel",
+    "count",
+    "decode_payload",
+    "get",
+    "park",
+    "park_many",
+    "pending",
+    "reschedule",
+    "store_for",
+    "store_from_backend",
+]
+
+
+#: The ``apply_async`` options ``park`` keeps for the release. ``expires`` in
+#: seconds counts from the due time; ``queue`` may be a kombu ``Queue`` (its
+#: name is kept).
+OPTIONS = frozenset(
+    {
+        "queue",
+        "routing_key",
+        "exchange",
+        "priority",
+        "expires",
+        "headers",
+        "serializer",
+        "compression",
+        "time_limit",
+        "soft_time_limit",
+        "ignore_result",
+        "shadow",
+        "retry",
+        "retry_policy",
+        "task_id",
+    }
+)
+
+_STORES: dict[Any, tuple[int, DelayedStore, DelayedSettings]] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def store_for(app: Any) -> tuple[DelayedStore, DelayedSettings]:
+    """The app's delayed store (made once per app and process) and the
+    delayed settings.
+
+    Raises:
+        ConfigurationError: the backend has no delayed store (only Redis and
+            PostgreSQL have one), or a setting is bad.
+    """
+    pid = os.getpid()
+    with _STORES_LOCK:
+        known = _STORES.get(app)
+        if known is not None and known[0] == pid:
+            return known[1], known[2]
+        store, settings = _make_store(app)
+        _STORES[app] = (pid, store, settings)
+        return store, settings
+
+
+def _make_store(app: Any) -> tuple[DelayedStore, DelayedSettings]:
+    from ..backends import backend_from_settings
+    from ..settings import Settings
+
+    settings = Settings.from_app(app)
+    backend = backend_from_settings(settings, instance=f"delayed-{os.getpid()}")
+    return store_from_backend(backend), DelayedSettings.from_app(app)
+
+
+def store_from_backend(backend: Any) -> DelayedStore:
+    """The delayed store that lives in ``backend`` (not opened yet).
+
+    Raises:
+        ConfigurationError: the backend has no delayed store.
+    """
+    from ..backends.redis import RedisBackend
+    from ..backends.sql import SQLBackend
+
+    if isinstance(backend, RedisBackend):
+        from .redis import RedisDelayedStore
+
+        return RedisDelayedStore(backend)
+    if isinstance(backend, SQLBackend) and backend.kind == "postgresql":
+        from .postgres import PostgresDelayedStore
+
+        return PostgresDelayedStore(backend)
+    raise ConfigurationError(
+        f"anarchon_backend: {backend.describe()} keeps no delayed tasks; parking needs a "
+        "Redis or PostgreSQL backend. Set anarchon_backend to a redis:// or postgresql:// "
+        "URL (the claim backend and the delayed store are the same)."
+    )
+
+
+def _due_ms(eta: Any, countdown: Any) -> int:
+    if eta is not None and countdown is not None:
+        raise ValueError("park: give eta or countdown, not both.")
+    now = int(time.time() * 1000)
+    if countdown is not None:
+        if isinstance(countdown, timedelta):
+            countdown = countdown.total_seconds()
+        if isinstance(countdown, bool) or not isinstance(countdown, (int, float)):
+            raise TypeError(f"park: countdown must be seconds, got {countdown!r}.")
+        if countdown != countdown or countdown in (float("inf"), float("-inf")):
+            raise ValueError(f"park: countdown must be a finite number, got {countdown!r}.")
+        return now + max(0, int(countdown * 1000))
+    if eta is None:
+        return now
+    if not isinstance(eta, datetime):
+        raise TypeError(f"park: eta must be an aware datetime, got {eta!r}.")
+    if eta.tzinfo is None or eta.utcoffset() is None:
+        raise ValueError(
+            f"park: eta {eta.isoformat()} is naive; give an aware datetime "
+            "(datetime.now(timezone.utc) + ..., or eta.replace(tzinfo=ZoneInfo(...)))."
+        )
+    return int(eta.timestamp() * 1000)
+
+
+def _option_value(name: str, value: Any, due_ms: int) -> Any:
+    if name == "queue" and not isinstance(value, str) and hasattr(value, "name"):
+        return value.name
+    if name == "exchange" and not isinstance(value, str) and hasattr(value, "name"):
+        return value.name
+    if name == "expires":
+        if isinstance(value, datetime):
+            if value.tzinfo is None:
+                raise ValueError("park: the expires option is a naive datetime; make it aware.")
+            return value.isoformat()
+        if isinstance(value, timedelta):
+            value = value.total_seconds()
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"park: expires must be seconds or an aware datetime, got {value!r}.")
+        # Celery counts seconds from the send: here the send is the release.
+        return datetime.fromtimestamp(due_ms / 1000 + value, tz=timezone.utc).isoformat()
+    return value
+
+
+def _parked(
+    app: Any,
+    store: DelayedStore,
+    settings: DelayedSettings,
+    task: Any,
+    args: Any,
+    kwargs: Any,
+    *,
+    eta: Any,
+    countdown: Any,
+    key: str | None,
+    options: Mapping[str, Any],
+) -> Parked:
+    name = task if isinstance(task, str) else getattr(task, "name", None)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"park: task must be a task or a task name, got {task!r}.")
+    if key is not None and (not isinstance(key, str) or not key or "\x00" in key):
+        raise ValueError(f"park: key must be a non-empty string without NUL, got {key!r}.")
+    unknown = sorted(set(options) - OPTIONS - {"countdown", "eta"})
+    if unknown:
+        raise TypeError(
+            f"park {name}: option(s) {', '.join(unknown)} cannot be parked; parked tasks keep "
+            f"{', '.join(sorted(OPTIONS))}."
+        )
+    if "countdown" in options or "eta" in options:
+        raise TypeError(f"park {name}: give eta= or countdown= as park's own arguments.")
+    due_ms = _due_ms(eta, countdown)
+    kept = {k: _option_value(k, v, due_ms) for k, v in options.items() if v is not None}
+    task_id = kept.pop("task_id", None)
+    if task_id is not None and (not isinstance(task_id, str) or key is not None):
+        raise ValueError(
+            f"park {name}: task_id must be a string, and cannot be given with key= "
+            "(a keyed task's id is chosen by the store)."
+        )
+    registered = app.tasks.get(name) if isinstance(task, str) else task
+    serializer = kept.get("serializer") or getattr(registered, "serializer", None)
+    serializer = serializer or app.conf.task_serializer
+    args = () if args is None else args
+    kwargs = {} if kwargs is None else kwargs
+    if not isinstance(args, (list, tuple)) or not isinstance(kwargs, Mapping):
+        raise TypeError(f"park {name}: args must be a list or tuple and kwargs a mapping.")
+    try:
+        payload = encode_payload(
+            task=name,
+            args=args,
+            kwargs=kwargs,
+            options=kept,
+            serializer=serializer,
+            key=key,
+            parked_ms=int(time.time() * 1000),
+            due_ms=due_ms,
+        )
+    except EncodeError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"park {name}: the options are not JSON-safe ({exc}).") from exc
+    size = len(payload.encode("utf-8"))
+    if size > settings.max_bytes:
+        raise ValueError(
+            f"park {name}: the task's payload is {size} bytes, over anarchon_delayed_max_bytes "
+            f"({settings.max_bytes}); keep large data elsewhere and park a reference to it."
+        )
+    return Parked(
+        id=task_id or store.new_id(key), key=key, task=name, due_ms=due_ms, payload=payload
+    )
+
+
+def park(
+    app: Any,
+    task: Any,
+    args: Any = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    eta: datetime | None = None,
+    countdown: float | timedelta | None = None,
+    key: str | None = None,
+    **options: Any,
+) -> str:
+    """Park ``task`` until it is due; return the Celery task id its message
+    will carry.
+
+    Args:
+        app: the Celery app (its ``anarchon_backend`` is the store).
+        task: a task object or a task name (an unknown name is parked by
+            name, as ``send_task`` would).
+        args, kwargs: the task's arguments, encoded now by the task's
+            serializer.
+        eta: an aware datetime; one in the past is released at once.
+        countdown: seconds (or a timedelta) from now (this host's clock).
+            Neither given: due now.
+        key: makes parking idempotent: while a task parked under ``key``
+            is pending or in flight, parking again changes nothing and
+            returns its id.
+        options: ``apply_async`` options kept for the release
+            (:data:`OPTIONS`): queue, routing_key, exchange, priority,
+            expires (seconds count from the due time), headers, ...
+    Raises:
+        kombu.exceptions.EncodeError: the serializer refuses the arguments.
+        ValueError: a naive eta, eta and countdown both given, a payload
+            over ``anarchon_delayed_max_bytes``.
+        TypeError: an option that cannot be parked, or is not JSON-safe.
+        ConfigurationError: the backend keeps no delayed tasks.
+        BackendUnavailable: the store cannot be reached; nothing is parked
+            (there is no in-memory fallback).
+    """
+    store, settings = store_for(app)
+    parked = _parked(
+        app,
+        store,
+        settings,
+        task,
+        args,
+        kwargs,
+        eta=eta,
+        countdown=countdown,
+        key=key,
+        options=options,
+    )
+    return store.park([parked])[0]
+
+
+def park_many(app: Any, calls: Iterable[Mapping[str, Any]]) -> list[str]:
+    """Park many tasks in few round trips (a Redis pipeline, one SQL
+    transaction); the ids in order.
+
+    Each call is a mapping of :func:`park`'s arguments: ``task`` and,
+    optionally, ``args``, ``kwargs``, ``eta``, ``countdown``, ``key`` and
+    ``options`` (a mapping). Each task is parked atomically on its own; all
+    are checked before any is written.
+
+    Raises:
+        as :func:`park`, for the first bad call (nothing parked then).
+    """
+    store, settings = store_for(app)
+    batch = [
+        _parked(
+            app,
+            store,
+            settings,
+            call["task"],
+            call.get("args", ()),
+            call.get("kwargs"),
+            eta=call.get("eta"),
+            countdown=call.get("countdown"),
+            key=call.get("key"),
+            options=call.get("options") or {},
+        )
+        for call in calls
+    ]
+    return store.park(batch) if batch else []
+
+
+def cancel(app: Any, key_or_id: str) -> bool:
+    """Cancel a pending task, by its key or its task id.
+
+    Returns:
+        True when it was pending and is now gone for good; False when no
+        such task is parked, or it is in flight (being released): then it
+        will be (or was) sent. Atomic against a concurrent release.
+    Raises:
+        BackendUnavailable: the store cannot be reached (nothing changed).
+    """
+    store, _ = store_for(app)
+    return store.cancel(key_or_id)
+
+
+def reschedule(app: Any, key_or_id: str, eta: datetime | float | timedelta) -> bool:
+    """Move a pending task to ``eta`` (an aware datetime, or a countdown in
+    seconds or a timedelta from now).
+
+    Returns:
+        True when it was pending and now is due at ``eta``; False when no
+        such task is parked or it is in flight. Atomic against a release.
+    Raises:
+        ValueError: a naive datetime. BackendUnavailable: as :func:`cancel`.
+    """
+    store, _ = store_for(app)
+    due_ms = _due_ms(eta, None) if isinstance(eta, datetime) else _due_ms(None, eta)
+    return store.reschedule(key_or_id, due_ms)
+
+
+def get(app: Any, key_or_id: str) -> ParkedTask | None:
+    """The parked task with that key or id (pending or in flight), or None
+    (never parked, cancelled, or released)."""
+    store, _ = store_for(app)
+    return store.get(key_or_id)
+
+
+def pending(app: Any, limit: int = 100, before: datetime | None = None) -> list[ParkedTask]:
+    """Up to ``limit`` parked tasks, earliest due first; only those due
+    before ``before`` (an aware datetime) when given."""
+    store, _ = store_for(app)
+    before_ms = None if before is None else _due_ms(before, None)
+    return store.pending(limit, before_ms)
+
+
+def count(app: Any) -> int:
+    """How many tasks are parked (pending and in flight)."""
+    store, _ = store_for(app)
+    return store.count()
