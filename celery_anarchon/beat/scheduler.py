@@ -131,6 +131,8 @@ class Scheduler(beat.Scheduler):
         self._close_requested = False
         self._random = random.Random()
         self.metrics: Metrics = Metrics()
+        #: the releaser of parked tasks (docs/delayed-tasks.md), once set up
+        self.releaser: Any = None
         super().__init__(app, *args, **kwargs)
 
     # -- set-up ------------------------------------------------------------

@@ -47,6 +47,10 @@ logger = logging.getLogger(__name__)
 #: noticed (a blocking read on an idle socket costs no CPU).
 STOP_CHECK_S = 1.0
 
+#: Shortest wait after a round that took nothing while something is due
+#: (another releaser holds it, uncommitted), seconds: no busy loop.
+MIN_WAIT_S = 0.01
+
 #: No publish starts past this share of a batch's lease: the rest is given
 #: back, so a slow releaser never publishes what another may take over.
 PUBLISH_BY = 0.8
@@ -194,7 +198,7 @@ class Releaser:
             try:
                 if self.release_once():
                     continue  # more may be due at once
-                wait_s = self._wait_s()
+                wait_s = max(MIN_WAIT_S, self._wait_s())
                 self._up()
             except BackendUnavailable as exc:
                 self._down(exc)

@@ -1,0 +1,171 @@
+"""The releaser in one process, against real Redis/PostgreSQL stores and a
+real Redis broker (or none listening): what it publishes, what it gives
+back, and that the backend's push wakes it."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import replace
+from datetime import datetime, timezone
+from typing import Any
+
+import pytest
+from celery import Celery
+from kombu import Connection
+
+from celery_anarchon import delayed
+from celery_anarchon.delayed.releaser import Releaser, backoff_s
+from celery_anarchon.delayed.settings import DelayedSettings
+
+from .beats import read_queue
+from .conftest import require_service
+from .test_delayed import STORES, make_app, store_url
+
+BROKER = "redis://127.0.0.1:6379/1"
+
+
+@pytest.fixture(params=STORES)
+def url(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    require_service("redis")
+    require_service(name)
+    request.getfixturevalue("_redis_cleanup" if name == "redis" else "_sql_cleanup")
+    return store_url(name, uuid.uuid4().hex[:6])
+
+
+@pytest.fixture
+def made() -> Iterator[list[Any]]:
+    """Releasers and apps to close at the end."""
+    things: list[Any] = []
+    yield things
+    for thing in things:
+        if isinstance(thing, Releaser):
+            thing.stop()
+        else:
+            delayed.store_for(thing)[0].close()
+
+
+def releaser_for(app: Celery, made: list[Any], **settings: Any) -> Releaser:
+    store, defaults = delayed.store_for(app)
+    # a store of the releaser's own, as beat gives it
+    from celery_anarchon.backends import backend_from_settings
+    from celery_anarchon.settings import Settings
+
+    backend = backend_from_settings(Settings.from_app(app), instance="releaser-test")
+    own = delayed.store_from_backend(backend)
+    releaser = Releaser(
+        app, own, replace(defaults, **settings), "releaser-test", namespace=backend.namespace
+    )
+    made.append(releaser)
+    made.append(app)
+    return releaser
+
+
+def test_a_due_task_is_published_with_its_id_options_and_header_then_deleted(
+    url: str, made: list[Any]
+) -> None:
+    queue = f"rel-{uuid.uuid4().hex[:8]}"
+    app = make_app(url, broker_url=BROKER)
+    expires = datetime(2100, 1, 1, tzinfo=timezone.utc)
+    task_id = delayed.park(
+        app,
+        "tests.by_name_only",
+        (2, 3),
+        {"z": 1},
+        queue=queue,
+        priority=3,
+        expires=expires,
+        headers={"mine": "yes"},
+    )
+    releaser = releaser_for(app, made)
+    assert releaser.release_once() == 1
+    assert delayed.count(app) == 0 and delayed.get(app, task_id) is None
+    with Connection(BROKER) as conn:
+        simple = conn.SimpleQueue(queue)
+        message = simple.get(timeout=5)
+        headers, body = dict(message.headers), message.decode()
+        message.ack()
+        simple.close()
+    assert headers["id"] == task_id and headers["task"] == "tests.by_name_only"
+    assert headers["anarchon_delayed"] == releaser.namespace
+    assert headers["mine"] == "yes"
+    assert datetime.fromisoformat(headers["expires"]) == expires
+    assert body[0] == [2, 3] and body[1] == {"z": 1}
+    assert releaser.counts.released == 1 and releaser.counts.lateness_ms[0] >= 0
+
+
+def test_a_broker_that_is_down_gives_tasks_back_with_backoff_then_marks_them_stuck(
+    url: str, made: list[Any]
+) -> None:
+    app = make_app(url, broker_url="redis://127.0.0.1:1/0", broker_connection_timeout=0.5)
+    task_id = delayed.park(app, "tests.add", (1, 1))
+    releaser = releaser_for(app, made, retries=2, stuck_retry_s=300.0)
+    store = releaser.store
+    for attempt in (1, 2, 3):
+        # make it due again at once (the backoff moved it on)
+        assert store.reschedule(task_id, store.now_ms() - 1) or attempt == 1
+        before = store.now_ms()
+        assert releaser.release_once() == 1
+        got = delayed.get(app, task_id)
+        assert got is not None and got.state == delayed.PENDING  # never dropped
+        assert got.attempts == attempt and got.error is not None
+        assert "publish failed" in got.error
+        wait_ms = got.due_ms - before
+        expected = backoff_s(attempt, releaser.settings) * 1000
+        assert expected - 50 <= wait_ms <= expected + 2000
+    assert got.error.startswith("stuck after 3 attempts")
+    assert backoff_s(3, releaser.settings) == 300.0
+    assert releaser.counts.released == 0 and releaser.counts.failed == 3
+
+
+def test_a_message_celery_refuses_at_release_stays_parked_and_marked(
+    url: str, made: list[Any]
+) -> None:
+    app = make_app(url, broker_url=BROKER)
+
+    @app.task(name="tests.one_arg", typing=True, shared=False)
+    def one_arg(x: int) -> int:
+        return x
+
+    task_id = delayed.park(app, "tests.one_arg", (1, 2, 3), queue=f"rel-{uuid.uuid4().hex[:8]}")
+    releaser = releaser_for(app, made)
+    assert releaser.release_once() == 1
+    got = delayed.get(app, task_id)
+    assert got is not None and got.state == delayed.PENDING
+    assert got.error is not None and got.error.startswith("refused")
+    assert got.due_ms - releaser.store.now_ms() > 250_000  # the stuck retry, 300 s
+
+
+def test_the_push_wakes_a_sleeping_releaser_long_before_its_poll(url: str, made: list[Any]) -> None:
+    queue = f"rel-{uuid.uuid4().hex[:8]}"
+    app = make_app(url, broker_url=BROKER)
+    releaser = releaser_for(app, made, poll_s=30.0)
+    releaser.start()
+    time.sleep(1.0)  # asleep on the push connection, up to 30 s
+    due = time.time() + 0.5
+    delayed.park(
+        app, "tests.add", (1, 1), eta=datetime.fromtimestamp(due, timezone.utc), queue=queue
+    )
+    deadline = time.time() + 10
+    while releaser.counts.released == 0 and time.time() < deadline:
+        time.sleep(0.02)
+    released_at = time.time()
+    assert releaser.counts.released == 1
+    assert due <= released_at < due + 1.5  # woken by the push, not the 30 s poll
+    assert len(read_queue(BROKER, queue, timeout=1)) == 1
+
+
+def test_settings_are_checked(url: str) -> None:
+    from celery_anarchon.exceptions import ConfigurationError
+
+    for bad in (
+        {"anarchon_delayed_lease": 0},
+        {"anarchon_delayed_batch": 0},
+        {"anarchon_delayed_release": "maybe"},
+        {"anarchon_delayed_max_bytes": "big"},
+    ):
+        app = make_app(url, **bad)
+        with pytest.raises(ConfigurationError, match=next(iter(bad))):
+            DelayedSettings.from_app(app)
