@@ -25,6 +25,7 @@ from kombu.serialization import dumps
 from .backends import backend_from_settings, backend_from_url, sanitize_url
 from .backends.base import Backend
 from .beat.registry import registry_ttl
+from .delayed.settings import DelayedSettings
 from .exceptions import BackendUnavailable, ConfigurationError
 from .metrics import metrics_config
 from .model import Entry, Job, app_zone, build_jobs, missing_key
@@ -219,11 +220,12 @@ def run_check(app: Any, schedule_filename: str | None, connect: bool) -> CheckRe
         result.problem("settings", str(exc))
         settings = None
     for where, validate in (
-        ("anarchon_registry_ttl", registry_ttl),
-        ("anarchon_metrics_port", metrics_config),
+        ("anarchon_registry_ttl", lambda: registry_ttl(app.conf)),
+        ("anarchon_metrics_port", lambda: metrics_config(app.conf)),
+        ("anarchon_delayed_*", lambda: DelayedSettings.from_app(app)),
     ):
         try:
-            validate(app.conf)
+            validate()
         except ConfigurationError as exc:
             result.problem(where, str(exc))
     try:

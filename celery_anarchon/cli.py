@@ -11,6 +11,7 @@ anarchon --help`` lists the commands::
     celery -A proj anarchon check             # validate settings and schedules
     celery -A proj anarchon add NAME ...      # store a job (celery_anarchon.cli_schedules)
     celery -A proj anarchon pause NAME        # also update, remove, resume
+    celery -A proj anarchon delayed list      # parked tasks (celery_anarchon.cli_delayed)
 
 Every command prints human-readable text by default and one JSON object with
 ``--json``. Credentials in URLs are always masked.
@@ -23,18 +24,22 @@ Exit codes (the same for every command):
       ``status`` printed a warning (no live instance, a clock off by more
       than ``max_skew``, a stale heartbeat, jobs defined differently on
       different instances); ``last-run`` found no run; ``run-now`` did
-      not send (the key was used before, or the broker refused the task).
+      not send (the key was used before, or the broker refused the task);
+      ``delayed cancel`` or ``delayed reschedule`` found the task not
+      pending (:mod:`celery_anarchon.cli_delayed`).
 2     Usage: a bad option or argument, an unknown job, no ``-A`` (Celery's
       empty default app); for ``add``, ``update``, ``remove``, ``pause``
       and ``resume`` also a refused definition, a name taken, a
       ``beat_schedule`` entry to update or remove, or a claim-only backend
       (RabbitMQ), which keeps no stored jobs
-      (:mod:`celery_anarchon.cli_schedules`).
+      (:mod:`celery_anarchon.cli_schedules`); ``delayed show`` of a task
+      that is not parked.
 3     The claim backend is unreachable, or (SQLite) its file does not
       exist yet: the reading commands never create it (``jobs`` lists
       the ``beat_schedule`` entries before it exits 3).
 4     The app's configuration cannot be loaded (a bad setting or
-      schedule); ``check`` lists every problem.
+      schedule); ``check`` lists every problem. For ``delayed``, also a
+      backend that keeps no delayed tasks (only Redis and PostgreSQL do).
 ====  ==================================================================
 """
 
@@ -67,6 +72,7 @@ from .cli_common import (
     json_option,
     schedule_file,
 )
+from .cli_delayed import delayed_group
 from .cli_schedules import COMMANDS as SCHEDULE_COMMANDS
 from .control import Control
 from .exceptions import BackendUnavailable, ConfigurationError
@@ -163,10 +169,12 @@ def _zone_name(zone: tzinfo) -> str:
 @click.pass_context
 def anarchon(ctx: click.Context, schedule_filename: str | None) -> None:
     """Inspect and operate celery-anarchon: jobs, history, runs, instances;
-    add, update, pause, resume and remove jobs at runtime.
+    add, update, pause, resume and remove jobs at runtime; parked tasks
+    (delayed).
 
     Exit codes: 0 OK; 1 a problem found (check, status warnings, no last
-    run, run-now not sent); 2 usage, a refused definition or name; 3 claim
+    run, run-now not sent, delayed cancel or reschedule of a task not
+    pending); 2 usage, a refused definition or name; 3 claim
     backend unreachable; 4 the configuration cannot be loaded.
     """
     ctx.meta["anarchon.schedule"] = schedule_filename
@@ -823,3 +831,7 @@ for _command in SCHEDULE_COMMANDS:
 # -- import redbeat | django-celery-beat (celery_anarchon.importers) ---------------
 
 anarchon.add_command(import_group)
+
+# -- delayed list | show | cancel | reschedule | count (celery_anarchon.cli_delayed) --
+
+anarchon.add_command(delayed_group)

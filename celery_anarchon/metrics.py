@@ -202,6 +202,14 @@ class PrometheusMetrics(Metrics):
     def backend_error(self, operation: str) -> None:
         self.backend_errors.labels(operation).inc()
 
+    def delayed_released(self, count: int, taken_over: int) -> None:
+        self.delayed.labels("released").inc(count)
+        if taken_over:
+            self.delayed.labels("taken_over").inc(taken_over)
+
+    def delayed_failed(self, count: int) -> None:
+        self.delayed.labels("failed").inc(count)
+
     def close(self) -> None:
         """Stop the HTTP server and free its port. Safe to call twice."""
         server, self._server = self._server, None

@@ -120,16 +120,29 @@ def test_a_broker_that_is_down_gives_tasks_back_with_backoff_then_marks_them_stu
     assert releaser.counts.released == 0 and releaser.counts.failed == 3
 
 
+def test_arguments_the_signature_refuses_are_refused_at_park(url: str, made: list[Any]) -> None:
+    app = make_app(url, broker_url=BROKER)
+    made.append(app)
+    with pytest.raises(TypeError, match="signature refuses"):
+        delayed.park(app, "tests.add", (1, 2, 3))
+    assert delayed.count(app) == 0
+
+
 def test_a_message_celery_refuses_at_release_stays_parked_and_marked(
     url: str, made: list[Any]
 ) -> None:
+    """Parked by name where the task is not registered (no check at park);
+    the releasing process has it, and its signature refuses the call."""
+    parking = make_app(url, broker_url=BROKER)
+    made.append(parking)
+    queue = f"rel-{uuid.uuid4().hex[:8]}"
+    task_id = delayed.park(parking, "tests.one_arg", (1, 2, 3), queue=queue)
     app = make_app(url, broker_url=BROKER)
 
-    @app.task(name="tests.one_arg", typing=True, shared=False)
+    @app.task(name="tests.one_arg", shared=False)
     def one_arg(x: int) -> int:
         return x
 
-    task_id = delayed.park(app, "tests.one_arg", (1, 2, 3), queue=f"rel-{uuid.uuid4().hex[:8]}")
     releaser = releaser_for(app, made)
     assert releaser.release_once() == 1
     got = delayed.get(app, task_id)

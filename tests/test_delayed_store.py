@@ -342,6 +342,10 @@ def test_give_back_makes_a_task_pending_again_counted(store: DelayedStore) -> No
     assert third.taken_over is False  # it was pending, not in flight
     assert third.token > second.token
     assert (third.task.attempts, third.task.error) == (1, "x" * 1_000)
+    # Never tried (the batch stopped before it): pending again, not counted.
+    assert store.give_back([third], store.now_ms() - 1, "ignored", failed=False) == [True]
+    [fourth] = store.take_due(10, LEASE_MS, "releaser-b")
+    assert (fourth.task.attempts, fourth.task.error) == (1, "x" * 1_000)
 
 
 def test_finish_deletes_only_tasks_whose_lease_is_current(store: DelayedStore) -> None:

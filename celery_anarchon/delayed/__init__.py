@@ -63,8 +63,6 @@ OPTIONS = frozenset(
         "soft_time_limit",
         "ignore_result",
         "shadow",
-        "retry",
-        "retry_policy",
         "task_id",
     }
 )
@@ -148,7 +146,7 @@ def _due_ms(eta: Any, countdown: Any) -> int:
     return int(eta.timestamp() * 1000)
 
 
-def _option_value(name: str, value: Any, due_ms: int) -> Any:
+def _option_value(name: str, value: Any, due_ms: int, now_ms: int) -> Any:
     if name == "queue" and not isinstance(value, str) and hasattr(value, "name"):
         return value.name
     if name == "exchange" and not isinstance(value, str) and hasattr(value, "name"):
@@ -162,8 +160,10 @@ def _option_value(name: str, value: Any, due_ms: int) -> Any:
             value = value.total_seconds()
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"park: expires must be seconds or an aware datetime, got {value!r}.")
-        # Celery counts seconds from the send: here the send is the release.
-        return datetime.fromtimestamp(due_ms / 1000 + value, tz=timezone.utc).isoformat()
+        # Celery counts seconds from the send: here the send is the release,
+        # at the due time (at once for a due time already past).
+        sent_ms = max(due_ms, now_ms)
+        return datetime.fromtimestamp(sent_ms / 1000 + value, tz=timezone.utc).isoformat()
     return value
 
 
@@ -194,7 +194,8 @@ def _parked(
     if "countdown" in options or "eta" in options:
         raise TypeError(f"park {name}: give eta= or countdown= as park's own arguments.")
     due_ms = _due_ms(eta, countdown)
-    kept = {k: _option_value(k, v, due_ms) for k, v in options.items() if v is not None}
+    now_ms = int(time.time() * 1000)
+    kept = {k: _option_value(k, v, due_ms, now_ms) for k, v in options.items() if v is not None}
     task_id = kept.pop("task_id", None)
     if task_id is not None and (not isinstance(task_id, str) or key is not None):
         raise ValueError(
@@ -208,6 +209,7 @@ def _parked(
     kwargs = {} if kwargs is None else kwargs
     if not isinstance(args, (list, tuple)) or not isinstance(kwargs, Mapping):
         raise TypeError(f"park {name}: args must be a list or tuple and kwargs a mapping.")
+    _check_arguments(registered, name, args, kwargs)
     try:
         payload = encode_payload(
             task=name,
@@ -232,6 +234,23 @@ def _parked(
     return Parked(
         id=task_id or store.new_id(key), key=key, task=name, due_ms=due_ms, payload=payload
     )
+
+
+def _check_arguments(task: Any, name: str, args: Any, kwargs: Mapping[str, Any]) -> None:
+    """Celery's own argument check (``apply_async`` under ``typing``, the
+    default) for a task registered in this process, so a call its signature
+    refuses is refused at park, not at release."""
+    if task is None or not getattr(task, "typing", False):
+        return
+    header = getattr(task, "__header__", None)
+    if header is None:
+        return
+    try:
+        header(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(
+            f"park {name}: the task's signature refuses these arguments: {exc}"
+        ) from exc
 
 
 def park(
@@ -262,15 +281,20 @@ def park(
             returns its id.
         options: ``apply_async`` options kept for the release
             (:data:`OPTIONS`): queue, routing_key, exchange, priority,
-            expires (seconds count from the due time), headers, ...
+            expires (seconds count from the release: the due time, or the
+            park for a due time already past), headers, ...
     Raises:
         kombu.exceptions.EncodeError: the serializer refuses the arguments.
         ValueError: a naive eta, eta and countdown both given, a payload
             over ``anarchon_delayed_max_bytes``.
-        TypeError: an option that cannot be parked, or is not JSON-safe.
+        TypeError: the task's signature refuses the arguments (a task
+            registered in this process, under Celery's ``typing``); an
+            option that cannot be parked, or is not JSON-safe.
         ConfigurationError: the backend keeps no delayed tasks.
-        BackendUnavailable: the store cannot be reached; nothing is parked
-            (there is no in-memory fallback).
+        BackendUnavailable: the store cannot be reached, or did not answer
+            in time; there is no in-memory fallback. When the store applied
+            the park but its answer was lost, the task is parked: park with
+            a ``key`` to make trying again safe.
     """
     store, settings = store_for(app)
     parked = _parked(

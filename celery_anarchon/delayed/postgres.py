@@ -164,7 +164,8 @@ RETURNING t.id
 # Returns their ids.
 GIVE_BACK_SQL = """
 UPDATE {delayed} AS t
-SET token = 0, ready_ms = :retry_at_ms, attempts = t.attempts + 1, error = :error, owner = NULL
+SET token = 0, ready_ms = :retry_at_ms, attempts = t.attempts + :counted,
+    error = CASE WHEN :counted = 1 THEN :error ELSE t.error END, owner = NULL
 FROM unnest(CAST(:ids AS text[]), CAST(:tokens AS bigint[])) AS f(id, token)
 WHERE t.id = f.id AND t.token = f.token
 RETURNING t.id
@@ -588,10 +589,13 @@ class PostgresDelayedStore(DelayedStore):
             return []
         return self._fenced(self._finish, taken, "finish delayed tasks")
 
-    def give_back(self, taken: Sequence[Taken], retry_at_ms: int, error: str) -> list[bool]:
-        """Make tasks whose publish failed pending again at ``retry_at_ms``
-        (epoch ms, UTC), ``attempts`` counted up and ``error`` (its first
-        :data:`ERROR_CHARS` characters) kept, one statement for the batch
+    def give_back(
+        self, taken: Sequence[Taken], retry_at_ms: int, error: str, *, failed: bool = True
+    ) -> list[bool]:
+        """Make tasks pending again at ``retry_at_ms`` (epoch ms, UTC); when
+        ``failed`` (their publish failed), ``attempts`` counted up and
+        ``error`` (its first :data:`ERROR_CHARS` characters) kept; else both
+        left as they were. One statement for the batch
         (:data:`GIVE_BACK_SQL`); fenced as :meth:`finish`. Not announced: the
         releaser giving back is awake."""
         if not taken:
@@ -602,6 +606,7 @@ class PostgresDelayedStore(DelayedStore):
             "give back delayed tasks",
             retry_at_ms=int(retry_at_ms),
             error=error[:ERROR_CHARS].replace("\x00", "\ufffd"),  # text holds no NUL
+            counted=1 if failed else 0,
         )
 
     # -- the worker's start gate ---------------------------------------------------

@@ -1,8 +1,9 @@
 """Parked tasks in Redis: a sorted set scored by due time, the payloads
 kept apart, sharded over :data:`SHARDS` hash tags (docs/delayed-tasks.md).
 
-Shard ``n`` of prefix ``P`` keeps its keys under the hash tag
-``{P:delayed:n}``, so Redis Cluster keeps a shard in one slot:
+Shard ``n`` of prefix ``P`` (``anarchon:`` by default) keeps its keys under
+the hash tag ``{Pdelayed:n}`` (``{anarchon:delayed:3}``), so Redis Cluster
+keeps a shard in one slot:
 
 * ``:ready``: sorted set of ids, scored by the time the task can be taken,
   epoch ms: its due time while pending, its lease's expiry while in flight;
@@ -127,11 +128,12 @@ return out
 """
 
 LUA_GIVE_BACK = """
--- KEYS: the shard's keys. ARGV: retry_at_ms, error, then pairs of id, token.
--- Makes each task whose lease is current pending again at retry_at_ms, its
--- failed attempts counted. Returns 1/0 per pair.
+-- KEYS: the shard's keys. ARGV: retry_at_ms, error, failed ('1': count the
+-- attempt and keep the error; '0': leave both), then pairs of id, token.
+-- Makes each task whose lease is current pending again at retry_at_ms.
+-- Returns 1/0 per pair.
 local out = {}
-for i = 3, #ARGV, 2 do
+for i = 4, #ARGV, 2 do
     local id, token = ARGV[i], ARGV[i + 1]
     if redis.call('HGET', KEYS[3], id) == token then
         local fail = redis.call('HGET', KEYS[4], id)
@@ -141,7 +143,9 @@ for i = 3, #ARGV, 2 do
         end
         redis.call('HDEL', KEYS[3], id)
         redis.call('ZADD', KEYS[1], tonumber(ARGV[1]), id)
-        redis.call('HSET', KEYS[4], id, (attempts + 1) .. '|' .. ARGV[2])
+        if ARGV[3] == '1' then
+            redis.call('HSET', KEYS[4], id, (attempts + 1) .. '|' .. ARGV[2])
+        end
         table.insert(out, 1)
     else
         table.insert(out, 0)
@@ -249,11 +253,11 @@ class RedisDelayedStore(DelayedStore):
 
     def __init__(self, backend: RedisBackend) -> None:
         self.backend = backend
-        base = backend.prefix + ":delayed:"
+        base = backend.prefix + "delayed:"
         self._tags = ["{" + base + str(n) + "}" for n in range(SHARDS)]
         self._keys = [[f"{tag}:{name}" for name in _KEYS] for tag in self._tags]
         #: the pub/sub channel parks and earlier reschedules announce on
-        self.channel = backend.prefix + ":delayed:wake"
+        self.channel = backend.prefix + "delayed:wake"
 
     def describe(self) -> str:
         return f"delayed store in {self.backend.describe()}"
@@ -451,10 +455,13 @@ class RedisDelayedStore(DelayedStore):
     def finish(self, taken: Sequence[Taken]) -> list[bool]:
         return self._fenced(FINISH, taken, []) if taken else []
 
-    def give_back(self, taken: Sequence[Taken], retry_at_ms: int, error: str) -> list[bool]:
+    def give_back(
+        self, taken: Sequence[Taken], retry_at_ms: int, error: str, *, failed: bool = True
+    ) -> list[bool]:
         if not taken:
             return []
-        return self._fenced(GIVE_BACK, taken, [retry_at_ms, error[:1000]])
+        head = [retry_at_ms, error[:1000], "1" if failed else "0"]
+        return self._fenced(GIVE_BACK, taken, head)
 
     def mark_started(self, task_id: str, keep_ms: int) -> bool:
         key = f"{self._tags[shard_of(task_id)]}:started:{task_id}"

@@ -383,36 +383,41 @@ class Releaser:
     def _give_back_failed(
         self, taken: Sequence[Taken], outcomes: Sequence[tuple[Outcome, BaseException | None]]
     ) -> None:
-        groups: dict[tuple[float, str], list[Taken]] = {}
+        """Give back what was not published: a failed publish after its
+        backoff (refused by Celery: after ``stuck_retry``), counted; one
+        never tried (the batch stopped before it) at once, not counted."""
+        groups: dict[tuple[float, str, bool], list[Taken]] = {}
         for item, (outcome, error) in zip(taken, outcomes, strict=True):
             if outcome is Outcome.SENT:
                 continue
-            attempts = item.task.attempts + 1
             if outcome is Outcome.UNTRIED:
-                delay, why = 0.0, "not tried: the batch ran out of lease time"
-            elif outcome is Outcome.REFUSED:
+                groups.setdefault((0.0, "", False), []).append(item)
+                continue
+            attempts = item.task.attempts + 1
+            self.counts.failed += 1
+            if outcome is Outcome.REFUSED:
                 delay, why = self.settings.stuck_retry_s, f"refused: {error!r}"
-                self.counts.failed += 1
             else:
                 if outcome is Outcome.IN_DOUBT:
                     self.counts.in_doubt += 1
-                self.counts.failed += 1
                 delay = backoff_s(attempts, self.settings)
                 why = f"publish failed: {error!r}"
-            if attempts > self.settings.retries and outcome is not Outcome.UNTRIED:
+            if attempts > self.settings.retries:
                 why = f"stuck after {attempts} attempts; {why}"
-            groups.setdefault((delay, why), []).append(item)
-        for (delay, why), items in groups.items():
+            groups.setdefault((delay, why, True), []).append(item)
+        for (delay, why, failed), items in groups.items():
             retry_at = items[0].now_ms + int(delay * 1000)
             try:
-                self.store.give_back(items, retry_at, why)
+                self.store.give_back(items, retry_at, why, failed=failed)
             except BackendUnavailable as exc:
                 logger.warning(
-                    "anarchon: %d task(s) whose publish failed could not be given back (%s); "
+                    "anarchon: %d task(s) not published could not be given back (%s); "
                     "they are taken again when their lease expires",
                     len(items),
                     exc,
                 )
+                continue
+            if not failed:
                 continue
             self.metrics.delayed_failed(len(items))
             logger.warning(

@@ -42,8 +42,9 @@ class DelayedSettings:
             2).
         max_bytes: the largest payload ``park`` accepts, bytes
             (``anarchon_delayed_max_bytes``, 262144).
-        retries: failed publishes before a task is marked stuck
-            (``anarchon_delayed_retries``, 5); retried 1, 2, 4, 8, 16 s apart.
+        retries: how often a failed publish is retried before the task is
+            marked stuck (``anarchon_delayed_retries``, 5): after 1, 2, 4, 8
+            and 16 s; the 6th failure marks it.
         stuck_retry_s: how often a stuck task is tried again, seconds
             (``anarchon_delayed_stuck_retry``, 300).
         dedupe_ttl_s: how long the worker gate remembers a started task id,

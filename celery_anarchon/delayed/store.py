@@ -103,10 +103,13 @@ class DelayedStore(abc.ABC):
         current (False: another releaser took it over)."""
 
     @abc.abstractmethod
-    def give_back(self, taken: Sequence[Taken], retry_at_ms: int, error: str) -> list[bool]:
-        """Make tasks whose publish failed pending again at ``retry_at_ms``
-        (epoch ms), their attempts counted and ``error`` kept; fenced as
-        :meth:`finish`."""
+    def give_back(
+        self, taken: Sequence[Taken], retry_at_ms: int, error: str, *, failed: bool = True
+    ) -> list[bool]:
+        """Make taken tasks pending again at ``retry_at_ms`` (epoch ms); when
+        ``failed`` (their publish failed) their attempts counted and
+        ``error`` kept, else (never tried) both left as they were; fenced
+        as :meth:`finish`."""
 
     @abc.abstractmethod
     def mark_started(self, task_id: str, keep_ms: int) -> bool:
