@@ -295,3 +295,46 @@ def test_compare_runs_both_checkouts_and_reports_ratios(
         assert cells[2] != "-" and cells[3] != "-", row
         float(cells[4])  # a ratio of two medians
         assert cells[5] == "1/1"
+
+
+@pytest.mark.integration
+def test_delayed_smoke(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """On Redis and PostgreSQL, three real beats release every task of the
+    tiny burst, of the lateness part and of the push part exactly once and
+    none before its due time, the store is empty at the end, and the
+    figures are printed side by side."""
+    from bench import delayed
+
+    require_service("redis")
+    require_service("postgresql")
+    out = tmp_path / "delayed.json"
+    assert delayed.main(["--tiny", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| figure | Redis | PostgreSQL |" in printed
+    for label in (
+        "memory per task, whole (bytes)",
+        "park, single (calls/s)",
+        "park_many (tasks/s)",
+        "burst: release rate, first to last message (tasks/s)",
+        "lateness: p50 / p99 / max (ms)",
+        "push: lateness p50 / p99 / max (ms)",
+    ):
+        assert f"| {label} |" in printed, label
+    results = json.loads(out.read_text())["results"]
+    assert [r["backend"] for r in results] == ["redis", "postgresql"]
+    for r in results:
+        assert "error" not in r, r["error"]
+        assert r["stored_count"] == 200
+        for part, parked in (("burst", 200), ("lateness", 200), ("push", 10)):
+            found = r[part]
+            assert (found["parked"], found["read"]) == (parked, parked), (part, found)
+            assert (found["duplicates"], found["missing"], found["early"]) == (0, 0, 0), found
+            assert found["p99_ms"] is not None and found["p99_ms"] >= 0
+        assert r["single"]["calls"] == 50 and r["single"]["per_s"] > 0
+        assert r["many"]["per_s"] > 0
+        assert r["unknown_messages"] == 0
+        assert r["left_in_store"] == 0
+        assert r["problems"] == []
+    redis_own = results[0]["memory_per_task"]["keys"]
+    postgres_own = results[1]["memory_per_task"]["total"]
+    assert redis_own > 0 and postgres_own > 0
