@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from typing import Any
 
 from kombu.exceptions import EncodeError
@@ -146,7 +146,7 @@ def _due_ms(eta: Any, countdown: Any) -> int:
     return int(eta.timestamp() * 1000)
 
 
-def _option_value(name: str, value: Any, due_ms: int, now_ms: int) -> Any:
+def _option_value(name: str, value: Any) -> Any:
     if name == "queue" and not isinstance(value, str) and hasattr(value, "name"):
         return value.name
     if name == "exchange" and not isinstance(value, str) and hasattr(value, "name"):
@@ -160,10 +160,9 @@ def _option_value(name: str, value: Any, due_ms: int, now_ms: int) -> Any:
             value = value.total_seconds()
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"park: expires must be seconds or an aware datetime, got {value!r}.")
-        # Celery counts seconds from the send: here the send is the release,
-        # at the due time (at once for a due time already past).
-        sent_ms = max(due_ms, now_ms)
-        return datetime.fromtimestamp(sent_ms / 1000 + value, tz=timezone.utc).isoformat()
+        # Seconds are kept as seconds: Celery counts them from the send,
+        # which is the release (also after a reschedule).
+        return float(value)
     return value
 
 
@@ -194,8 +193,7 @@ def _parked(
     if "countdown" in options or "eta" in options:
         raise TypeError(f"park {name}: give eta= or countdown= as park's own arguments.")
     due_ms = _due_ms(eta, countdown)
-    now_ms = int(time.time() * 1000)
-    kept = {k: _option_value(k, v, due_ms, now_ms) for k, v in options.items() if v is not None}
+    kept = {k: _option_value(k, v) for k, v in options.items() if v is not None}
     task_id = kept.pop("task_id", None)
     if task_id is not None and (not isinstance(task_id, str) or key is not None):
         raise ValueError(
@@ -281,8 +279,8 @@ def park(
             returns its id.
         options: ``apply_async`` options kept for the release
             (:data:`OPTIONS`): queue, routing_key, exchange, priority,
-            expires (seconds count from the release: the due time, or the
-            park for a due time already past), headers, ...
+            expires (seconds count from the release, as Celery counts
+            them from the send), headers, ...
     Raises:
         kombu.exceptions.EncodeError: the serializer refuses the arguments.
         ValueError: a naive eta, eta and countdown both given, a payload

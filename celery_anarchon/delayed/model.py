@@ -144,36 +144,35 @@ def encode_payload(
 
     ``args`` and ``kwargs`` are encoded together by ``serializer`` (a
     kombu serializer name: ``json``, ``pickle``, ``msgpack``, ``yaml``);
-    binary bodies are kept base64.
+    a JSON body is kept as JSON within the payload (field ``json``), others
+    as text (``body``), base64 when binary.
 
     Raises:
         kombu.exceptions.EncodeError: the serializer refuses the arguments.
         TypeError: ``options`` is not JSON-safe.
     """
     content_type, encoding, body = dumps([list(args), dict(kwargs)], serializer=serializer)
-    if isinstance(body, bytes):
+    fields: dict[str, Any] = {"task": task}
+    if content_type == "application/json":
+        # Kept as JSON, not as a string of JSON: no second escaping.
+        fields["json"] = json.loads(body)
+    elif isinstance(body, bytes):
         try:
-            text, binary = body.decode("utf-8"), False
+            fields["body"], fields["binary"] = body.decode("utf-8"), False
         except UnicodeDecodeError:
-            text, binary = base64.b64encode(body).decode("ascii"), True
+            fields["body"], fields["binary"] = base64.b64encode(body).decode("ascii"), True
     else:
-        text, binary = body, False
-    return json.dumps(
-        {
-            "task": task,
-            "body": text,
-            "binary": binary,
-            "content_type": content_type,
-            "encoding": encoding,
-            "serializer": serializer,
-            "options": dict(options),
-            "key": key,
-            "parked_ms": parked_ms,
-            "due_ms": due_ms,
-        },
-        separators=(",", ":"),
-        allow_nan=False,
+        fields["body"], fields["binary"] = body, False
+    fields.update(
+        content_type=content_type,
+        encoding=encoding,
+        serializer=serializer,
+        options=dict(options),
+        key=key,
+        parked_ms=parked_ms,
+        due_ms=due_ms,
     )
+    return json.dumps(fields, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
 
 
 def decode_payload(payload: str) -> dict[str, Any]:
@@ -184,8 +183,12 @@ def decode_payload(payload: str) -> dict[str, Any]:
         ValueError: the payload is not one :func:`encode_payload` made.
     """
     body = json.loads(payload)
-    raw = body.pop("body")
-    data: bytes | str = base64.b64decode(raw) if body.pop("binary", False) else raw
+    data: bytes | str
+    if "json" in body:
+        data = json.dumps(body.pop("json"))
+    else:
+        raw = body.pop("body")
+        data = base64.b64decode(raw) if body.pop("binary", False) else raw
     args, kwargs = loads(
         data,
         body["content_type"],

@@ -387,6 +387,20 @@ class RedisDelayedStore(DelayedStore):
             heads = [rows[0][1] for rows in pipe.execute() if rows]
         return int(min(heads)) if heads else None
 
+    def due_in_ms(self) -> int | None:
+        # One round trip: the server's clock and every shard's head.
+        client = self.backend._require_client()
+        with self.backend._translated("delayed next due"):
+            pipe = client.pipeline(transaction=False)
+            pipe.time()
+            for keys in self._keys:
+                pipe.zrange(keys[0], 0, 0, withscores=True)
+            (seconds, micros), *rows = pipe.execute()
+        heads = [found[0][1] for found in rows if found]
+        if not heads:
+            return None
+        return int(min(heads)) - (int(seconds) * 1000 + int(micros) // 1000)
+
     def take_due(self, limit: int, lease_ms: int, owner: str) -> list[Taken]:
         # The ``limit`` earliest due over all shards: read the server's
         # clock, then each shard's due ids (one pipeline), pick the earliest

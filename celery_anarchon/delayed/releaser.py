@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from kombu.exceptions import EncodeError
+
 from ..beat.batch import UNSENDABLE, UNSENT, BatchWriter, Outcome, publish_failure
 from ..exceptions import BackendUnavailable
 from ..message import HEADER_DELAYED, bounded_connection
@@ -47,9 +49,18 @@ logger = logging.getLogger(__name__)
 #: noticed (a blocking read on an idle socket costs no CPU).
 STOP_CHECK_S = 1.0
 
+#: How long after the earliest due time a releaser wakes, seconds: the
+#: tasks due meanwhile go in the same round (at a steady 1,000 due a second,
+#: about 10 per round instead of one), for that much lateness.
+COALESCE_S = 0.01
+
 #: Shortest wait after a round that took nothing while something is due
 #: (another releaser holds it, uncommitted), seconds: no busy loop.
 MIN_WAIT_S = 0.01
+
+#: While the broker cannot be reached, due tasks are given back (their
+#: attempts not counted) and tried again this often, seconds.
+BROKER_RETRY_S = 1.0
 
 #: No publish starts past this share of a batch's lease: the rest is given
 #: back, so a slow releaser never publishes what another may take over.
@@ -169,6 +180,9 @@ class Releaser:
         self._writer = BatchWriter(self._publish)
         self._declared: set[tuple[str, ...]] = set()
         self._down_since: float | None = None
+        self._broker_down_since: float | None = None
+        #: rounds in a row that took nothing while something was due
+        self._empty_rounds = 0
 
     # -- the thread ----------------------------------------------------------
 
@@ -197,8 +211,20 @@ class Releaser:
         while not self._stop.is_set():
             try:
                 if self.release_once():
-                    continue  # more may be due at once
-                wait_s = max(MIN_WAIT_S, self._wait_s())
+                    self._empty_rounds = 0
+                    if self._broker_down_since is None:
+                        continue  # more may be due at once
+                    self._sleep(BROKER_RETRY_S)  # no broker: not round after round
+                    continue
+                wait_s = self._wait_s()
+                if wait_s <= COALESCE_S:
+                    # Due, yet nothing taken: another releaser holds it (a
+                    # PostgreSQL row locked by its open transaction). Back
+                    # off, doubling up to the poll bound: no busy loop.
+                    wait_s = min(self.settings.poll_s, MIN_WAIT_S * 2**self._empty_rounds)
+                    self._empty_rounds = min(self._empty_rounds + 1, 16)
+                else:
+                    self._empty_rounds = 0
                 self._up()
             except BackendUnavailable as exc:
                 self._down(exc)
@@ -209,12 +235,12 @@ class Releaser:
             self._sleep(wait_s)
 
     def _wait_s(self) -> float:
-        """Seconds until the store's earliest due time (by its clock), at
-        most ``poll``."""
-        next_ms = self.store.next_due_ms()
-        if next_ms is None:
+        """Seconds until the store's earliest due time (by its clock) plus
+        :data:`COALESCE_S`, at most ``poll``."""
+        due_in_ms = self.store.due_in_ms()
+        if due_in_ms is None:
             return self.settings.poll_s
-        return max(0.0, min(self.settings.poll_s, (next_ms - self.store.now_ms()) / 1000))
+        return max(0.0, min(self.settings.poll_s, due_in_ms / 1000 + COALESCE_S))
 
     def _sleep(self, wait_s: float) -> None:
         deadline = time.monotonic() + wait_s
@@ -306,8 +332,13 @@ class Releaser:
         try:
             producer = self._ensure_producer()
         except Exception as exc:
+            # No broker connection: nothing was tried, so no task's attempt
+            # is counted (an outage never marks tasks stuck); all of them
+            # are given back for BROKER_RETRY_S.
             self._drop_connection()
-            return [(Outcome.NOT_SENT, exc)] * len(taken)
+            self._broker_down(exc)
+            return [(Outcome.UNTRIED, exc)] * len(taken)
+        self._broker_up()
         if BatchWriter.mode(producer.connection) is not None:
             try:
                 outcomes = self._writer.write(producer, taken, keep_going)
@@ -350,7 +381,12 @@ class Releaser:
         declared only by the first message of its route on this connection
         (as beat's publisher does: the messages are the same, and kombu
         declaring before each publish costs a fifth of a batch's CPU)."""
-        body = item.task.decoded()
+        try:
+            body = item.task.decoded()
+        except Exception as exc:  # kombu's DecodeError, a class the process lacks, ...
+            # That task's own failure (refused, like a serializer's refusal),
+            # never the batch's or the broker's.
+            raise EncodeError(f"the parked payload cannot be decoded here: {exc!r}") from exc
         options = body.get("options") or {}
         route = (
             item.task.task,
@@ -391,7 +427,9 @@ class Releaser:
             if outcome is Outcome.SENT:
                 continue
             if outcome is Outcome.UNTRIED:
-                groups.setdefault((0.0, "", False), []).append(item)
+                # never tried: at once, or (no broker) after BROKER_RETRY_S
+                delay = 0.0 if error is None else BROKER_RETRY_S
+                groups.setdefault((delay, "", False), []).append(item)
                 continue
             attempts = item.task.attempts + 1
             self.counts.failed += 1
@@ -428,6 +466,24 @@ class Releaser:
             )
 
     # -- the broker ----------------------------------------------------------
+
+    def _broker_down(self, exc: BaseException) -> None:
+        if self._broker_down_since is None:
+            self._broker_down_since = time.monotonic()
+            logger.warning(
+                "anarchon: the releaser cannot reach the broker (%s); due tasks stay parked "
+                "and are tried every %gs",
+                exc,
+                BROKER_RETRY_S,
+            )
+
+    def _broker_up(self) -> None:
+        if self._broker_down_since is not None:
+            logger.warning(
+                "anarchon: the releaser reaches the broker again after %.1fs",
+                time.monotonic() - self._broker_down_since,
+            )
+            self._broker_down_since = None
 
     def _ensure_producer(self) -> Any:
         if self._producer is None:

@@ -90,6 +90,12 @@ class DelayedStore(abc.ABC):
         """The earliest time something can be taken (a pending task's due
         time, or an in-flight lease's expiry), epoch ms, or None."""
 
+    def due_in_ms(self) -> int | None:
+        """Milliseconds until something can be taken, by the store's clock
+        (0 or less: now), or None when nothing is parked."""
+        next_ms = self.next_due_ms()
+        return None if next_ms is None else next_ms - self.now_ms()
+
     @abc.abstractmethod
     def take_due(self, limit: int, lease_ms: int, owner: str) -> list[Taken]:
         """Take up to ``limit`` tasks due by the backend's clock (pending
