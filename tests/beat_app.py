@@ -114,3 +114,61 @@ def stamp(path: str, tag: str) -> None:
     parked task ran, for the delayed-task tests."""
     with open(path, "a") as f:
         f.write(f"{tag} {stamp.request.id} {int(time.time() * 1000)}\n")
+
+
+#: The ``ITEST_CONF`` key for :func:`install_finish_delay`: seconds each
+#: releaser of this process waits between publishing a batch of parked
+#: tasks and deleting it from the store (fault injection, tests/faults).
+FINISH_DELAY = "itest_delayed_finish_delay"
+
+
+def install_finish_delay(seconds: float) -> None:
+    """Make every releaser started in this process from now on sleep
+    ``seconds`` between publishing a batch and deleting it (0: no delay),
+    except a batch with a take-over in it (so a take-over finishes inside
+    its lease and the test's fault stays the only one). Logs ``itest:
+    published N parked task(s)`` before the sleep and ``itest: deleted K of
+    N`` after the (fenced) delete: widens the window in which a test kills
+    or freezes a releaser between publish and delete, and shows what its
+    delete did after a take-over."""
+    import logging
+
+    from celery_anarchon.delayed.releaser import Releaser
+
+    if not seconds:
+        return
+    logger = logging.getLogger(__name__)
+    start = Releaser.start
+
+    def start_slowly(self: Releaser) -> None:
+        finish = self.store.finish
+
+        def slow_finish(taken: Any) -> list[bool]:
+            if not taken:
+                return finish(taken)
+            logger.warning("itest: published %d parked task(s)", len(taken))
+            if not any(t.taken_over for t in taken):
+                time.sleep(seconds)
+            kept = finish(taken)
+            logger.warning("itest: deleted %d of %d", sum(kept), len(taken))
+            return kept
+
+        self.store.finish = slow_finish  # type: ignore[method-assign]
+        start(self)
+
+    Releaser.start = start_slowly  # type: ignore[method-assign]
+
+
+install_finish_delay(float(app.conf.get(FINISH_DELAY) or 0))
+
+
+def _dump_stacks_on_sigusr2() -> None:
+    """``kill -USR2 <pid>`` prints every thread's stack to the process's log
+    (as tests.faults.app does): how a test shows where a releaser hangs."""
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
+
+
+_dump_stacks_on_sigusr2()

@@ -19,7 +19,11 @@ from typing import Any
 import pytest
 
 #: Test files whose tests form the group ``faults`` (node ids from the rootdir).
-GROUPED = ("tests/faults/test_campaign.py", "tests/faults/test_servers.py")
+GROUPED = (
+    "tests/faults/test_campaign.py",
+    "tests/faults/test_servers.py",
+    "tests/faults/test_delayed_faults.py",
+)
 GROUP = "faults"
 
 
