@@ -62,6 +62,10 @@ are untouched:
   process deaths) closes its client after each use, so a pool process it
   forks later (a replacement) never inherits an open one.
 
+Released parked tasks (the ``anarchon_delayed`` header,
+docs/delayed-tasks.md): the first delivery of a task id passes the gate and
+later ones are discarded (:meth:`WorkerIntegration._gate_released`).
+
 Retry (``self.retry()``): the same slot, not a new run. The retried message
 keeps the headers, so the plain gate would refuse it as a duplicate.
 A delivery with ``request.retries > 0`` passes the gate when the run is
@@ -110,6 +114,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -152,6 +157,12 @@ _T = TypeVar("_T")
 
 #: Longest error text recorded for a failed run, characters.
 ERROR_MAX_CHARS = 1000
+
+#: Longest the start gate of a released parked task waits for its store to
+#: answer, seconds; past it the task runs unchecked (or, strict, is
+#: discarded). A duplicate publish needs the store back, so within this wait
+#: two deliveries of one task never both run.
+RELEASED_GATE_WAIT_S = 300.0
 
 #: Heartbeats per lease: a run's lease is extended every ``lease_ttl / 3``.
 HEARTBEATS_PER_LEASE = 3
@@ -398,7 +409,7 @@ class WorkerIntegration:
             return
         setattr(request, _GATED_ATTR, True)
         if _header(request, HEADER_DELAYED) is not None:
-            self._gate_released(request)
+            self._gate_released(task, request)
             return
         claim = claim_of(request)
         if claim is None:
@@ -441,49 +452,87 @@ class WorkerIntegration:
             raise Ignore()
         self._start(request, _Run(claim, lease_ms, task_id))
 
-    def _gate_released(self, request: Any) -> None:
+    def _gate_released(self, task: Any, request: Any) -> None:
         """The start gate of a released parked task: the first delivery of
-        its task id passes, a second one (a duplicate publish after a
-        releaser's take-over) is discarded. A broker's redelivery of the
-        same message (``redelivered``: its worker died, ``acks_late``) and a
-        retry pass, as in plain Celery.
+        its task id passes, any later one is discarded: a duplicate publish
+        (a releaser's take-over), or the broker's redelivery of a message
+        whose task started (its ack lost), unless the task has
+        ``acks_late``, whose redelivery runs again as in plain Celery. A
+        retry (``self.retry()``: the same task again) passes.
+
+        While the store does not answer, the gate waits for it, asking again
+        with backoff, up to :data:`RELEASED_GATE_WAIT_S`: a second delivery
+        can only be published once the store answers again, and then the
+        two race on one mark, so exactly one runs. Past that wait the task
+        runs unchecked (WARNING), or is discarded under
+        ``anarchon_worker_strict``.
 
         Raises:
-            Ignore: a second delivery, or (``anarchon_worker_strict``) the
-                store could not be asked.
+            Ignore: a later delivery, or (``anarchon_worker_strict``) the
+                store could not be asked within the wait.
         """
         task_id = str(request.id)
-        if request.retries or _redelivered(request):
+        if request.retries and not _redelivered(request):
             return
-        try:
-            from .delayed import store_for
-
-            store, delayed = store_for(self.app)
-            first = store.mark_started(task_id, int(delayed.dedupe_ttl_s * 1000))
-        except Exception as exc:
+        first = self._mark_released(task_id)
+        if first is None:
             if self._strict():
                 logger.error(
                     "anarchon: discarded released task %s: the start gate could not be "
-                    "checked (%s) and anarchon_worker_strict is set",
+                    "checked within %gs and anarchon_worker_strict is set",
                     task_id,
-                    exc,
+                    RELEASED_GATE_WAIT_S,
                 )
-                raise Ignore() from None
+                raise Ignore()
             logger.warning(
                 "anarchon: running released task %s unchecked: the start gate could not be "
-                "checked (%s); a second delivery of it would run too",
+                "checked within %gs; a second delivery of it would run too",
                 task_id,
-                exc,
+                RELEASED_GATE_WAIT_S,
             )
             return
-        if not first:
+        if first:
+            return
+        if _redelivered(request) and getattr(task, "acks_late", False):
             logger.warning(
-                "anarchon: discarded a second delivery of released task %s (%s): it started "
-                "already",
+                "anarchon: running released task %s again: the broker redelivered it and "
+                "the task has acks_late",
                 task_id,
-                getattr(request, "task", None) or "?",
             )
-            raise Ignore()
+            return
+        logger.warning(
+            "anarchon: discarded a second delivery of released task %s (%s): it started already",
+            task_id,
+            getattr(request, "task", None) or "?",
+        )
+        raise Ignore()
+
+    def _mark_released(self, task_id: str) -> bool | None:
+        """``mark_started`` of a released task id, asked again with backoff
+        while the store fails; None when it did not answer within
+        :data:`RELEASED_GATE_WAIT_S`."""
+        from .delayed import store_for
+
+        deadline = time.monotonic() + RELEASED_GATE_WAIT_S
+        pause = 0.1
+        while True:
+            try:
+                store, delayed = store_for(self.app)
+                return store.mark_started(task_id, int(delayed.dedupe_ttl_s * 1000))
+            except Exception as exc:  # the store is down, or a bad setting
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    logger.warning("anarchon: the start gate of %s failed: %s", task_id, exc)
+                    return None
+                logger.warning(
+                    "anarchon: the start gate of released task %s waits for the store (%s); "
+                    "asking again in %.1fs",
+                    task_id,
+                    exc,
+                    min(pause, left),
+                )
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, 5.0)
 
     def _pass_gate(self, claim: Claim, task: Any, request: Any, lease_ms: int) -> bool:
         backend = self.backend()
