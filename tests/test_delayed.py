@@ -95,6 +95,30 @@ def test_park_many_parks_in_order(app: Celery) -> None:
     assert [t.id for t in delayed.pending(app, limit=50)] == ids
 
 
+def test_a_signature_parks_its_args_and_options(app: Celery) -> None:
+    task_id = delayed.park(app, app.tasks["tests.add"].s(2).set(queue="q9"), (3,), countdown=60)
+    got = delayed.get(app, task_id)
+    assert got is not None
+    summary = got.summary()
+    assert (summary["task"], summary["args"], summary["options"]) == (
+        "tests.add",
+        [2, 3],
+        {"queue": "q9"},
+    )
+    with pytest.raises(TypeError, match="signature refuses"):
+        delayed.park(app, app.tasks["tests.add"].s(1, 2), (3,))
+
+
+def test_park_many_refuses_a_key_it_does_not_know(app: Celery) -> None:
+    for call in (
+        {"task": "tests.add", "args": (1, 2), "countdwn": 900},
+        {"task": "tests.add", "args": (1, 2), "queue": "billing"},
+    ):
+        with pytest.raises(TypeError, match="unknown key"):
+            delayed.park_many(app, [call])
+    assert delayed.count(app) == 0
+
+
 def test_bad_input_is_refused_at_park(app: Celery) -> None:
     with pytest.raises(ValueError, match="naive"):
         delayed.park(app, "tests.add", (1, 2), eta=datetime.now() + timedelta(hours=1))

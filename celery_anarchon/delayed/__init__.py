@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
+from celery.canvas import Signature
 from kombu.exceptions import EncodeError
 
 from ..exceptions import ConfigurationError
@@ -122,25 +123,25 @@ def store_from_backend(backend: Any) -> DelayedStore:
     )
 
 
-def _due_ms(eta: Any, countdown: Any) -> int:
+def _due_ms(eta: Any, countdown: Any, what: str = "park") -> int:
     if eta is not None and countdown is not None:
-        raise ValueError("park: give eta or countdown, not both.")
+        raise ValueError(f"{what}: give eta or countdown, not both.")
     now = int(time.time() * 1000)
     if countdown is not None:
         if isinstance(countdown, timedelta):
             countdown = countdown.total_seconds()
         if isinstance(countdown, bool) or not isinstance(countdown, (int, float)):
-            raise TypeError(f"park: countdown must be seconds, got {countdown!r}.")
+            raise TypeError(f"{what}: countdown must be seconds, got {countdown!r}.")
         if countdown != countdown or countdown in (float("inf"), float("-inf")):
-            raise ValueError(f"park: countdown must be a finite number, got {countdown!r}.")
+            raise ValueError(f"{what}: countdown must be a finite number, got {countdown!r}.")
         return now + max(0, int(countdown * 1000))
     if eta is None:
         return now
     if not isinstance(eta, datetime):
-        raise TypeError(f"park: eta must be an aware datetime, got {eta!r}.")
+        raise TypeError(f"{what}: eta must be an aware datetime, got {eta!r}.")
     if eta.tzinfo is None or eta.utcoffset() is None:
         raise ValueError(
-            f"park: eta {eta.isoformat()} is naive; give an aware datetime "
+            f"{what}: {eta.isoformat()} is naive; give an aware datetime "
             "(datetime.now(timezone.utc) + ..., or eta.replace(tzinfo=ZoneInfo(...)))."
         )
     return int(eta.timestamp() * 1000)
@@ -179,6 +180,15 @@ def _parked(
     key: str | None,
     options: Mapping[str, Any],
 ) -> Parked:
+    if isinstance(task, Signature):
+        # A signature's own args come first and its options under the call's,
+        # as Signature.apply_async merges them.
+        if task.get("subtask_type"):
+            raise TypeError(f"park: a {task['subtask_type']} cannot be parked; park a task.")
+        args = (*task.args, *(args or ()))
+        kwargs = {**task.kwargs, **(kwargs or {})}
+        options = {**task.options, **options}
+        task = task.task
     name = task if isinstance(task, str) else getattr(task, "name", None)
     if not isinstance(name, str) or not name:
         raise TypeError(f"park: task must be a task or a task name, got {task!r}.")
@@ -267,8 +277,9 @@ def park(
 
     Args:
         app: the Celery app (its ``anarchon_backend`` is the store).
-        task: a task object or a task name (an unknown name is parked by
-            name, as ``send_task`` would).
+        task: a task object, a task name (an unknown name is parked by
+            name, as ``send_task`` would), or a signature (``add.s(2)``:
+            its args first, its options under the call's).
         args, kwargs: the task's arguments, encoded now by the task's
             serializer.
         eta: an aware datetime; one in the past is released at once.
@@ -310,6 +321,10 @@ def park(
     return store.park([parked])[0]
 
 
+#: The keys of one :func:`park_many` call.
+_CALL_KEYS = frozenset({"task", "args", "kwargs", "eta", "countdown", "key", "options"})
+
+
 def park_many(app: Any, calls: Iterable[Mapping[str, Any]]) -> list[str]:
     """Park many tasks in few round trips (a Redis pipeline, one SQL
     transaction); the ids in order.
@@ -320,9 +335,19 @@ def park_many(app: Any, calls: Iterable[Mapping[str, Any]]) -> list[str]:
     are checked before any is written.
 
     Raises:
+        TypeError: a call with a key not among those.
         as :func:`park`, for the first bad call (nothing parked then).
     """
     store, settings = store_for(app)
+    calls = list(calls)
+    for call in calls:
+        unknown = sorted(set(call) - _CALL_KEYS)
+        if unknown:
+            raise TypeError(
+                f"park_many: unknown key(s) {', '.join(map(repr, unknown))} in {dict(call)!r}; "
+                f"a call takes {', '.join(sorted(_CALL_KEYS))} (apply_async options go under "
+                "'options')."
+            )
     batch = [
         _parked(
             app,
@@ -366,7 +391,10 @@ def reschedule(app: Any, key_or_id: str, eta: datetime | float | timedelta) -> b
         ValueError: a naive datetime. BackendUnavailable: as :func:`cancel`.
     """
     store, _ = store_for(app)
-    due_ms = _due_ms(eta, None) if isinstance(eta, datetime) else _due_ms(None, eta)
+    if isinstance(eta, datetime):
+        due_ms = _due_ms(eta, None, "reschedule")
+    else:
+        due_ms = _due_ms(None, eta, "reschedule")
     return store.reschedule(key_or_id, due_ms)
 
 
@@ -381,7 +409,7 @@ def pending(app: Any, limit: int = 100, before: datetime | None = None) -> list[
     """Up to ``limit`` parked tasks, earliest due first; only those due
     before ``before`` (an aware datetime) when given."""
     store, _ = store_for(app)
-    before_ms = None if before is None else _due_ms(before, None)
+    before_ms = None if before is None else _due_ms(before, None, "pending")
     return store.pending(limit, before_ms)
 
 

@@ -58,8 +58,9 @@ COALESCE_S = 0.01
 #: (another releaser holds it, uncommitted), seconds: no busy loop.
 MIN_WAIT_S = 0.01
 
-#: While the broker cannot be reached, due tasks are given back (their
-#: attempts not counted) and tried again this often, seconds.
+#: While the broker cannot be reached, the releaser takes nothing and tries
+#: the broker again this often, seconds (tasks a broken connection stopped
+#: mid-batch are given back, not counted, for as long).
 BROKER_RETRY_S = 1.0
 
 #: No publish starts past this share of a batch's lease: the rest is given
@@ -214,7 +215,8 @@ class Releaser:
                     self._empty_rounds = 0
                     if self._broker_down_since is None:
                         continue  # more may be due at once
-                    self._sleep(BROKER_RETRY_S)  # no broker: not round after round
+                if self._broker_down_since is not None:
+                    self._sleep(BROKER_RETRY_S)  # no broker: try it again, take nothing
                     continue
                 wait_s = self._wait_s()
                 if wait_s <= COALESCE_S:
@@ -287,6 +289,15 @@ class Releaser:
                 taken); a failed delete or give-back is left to lease expiry.
         """
         lease_ms = int(self.settings.lease_s * 1000)
+        try:
+            # The broker first: a releaser that cannot publish takes nothing,
+            # so it never holds back what the other releasers would send.
+            self._ensure_producer()
+        except Exception as exc:
+            self._drop_connection()
+            self._broker_down(exc)
+            return 0
+        self._broker_up()
         taken = self.store.take_due(self.settings.batch, lease_ms, self.owner)
         if not taken:
             return 0
@@ -458,10 +469,13 @@ class Releaser:
             if not failed:
                 continue
             self.metrics.delayed_failed(len(items))
+            shown = ", ".join(item.task.key or item.task.id for item in items[:5])
             logger.warning(
-                "anarchon: %d parked task(s) not published (%s); again in %gs",
+                "anarchon: %d parked task(s) not published (%s; %s%s); again in %gs",
                 len(items),
                 why,
+                shown,
+                ", ..." if len(items) > 5 else "",
                 delay,
             )
 
