@@ -335,8 +335,8 @@ def park_many(app: Any, calls: Iterable[Mapping[str, Any]]) -> list[str]:
     are checked before any is written.
 
     Raises:
-        TypeError: a call with a key not among those.
-        as :func:`park`, for the first bad call (nothing parked then).
+        TypeError: a call with a key not among those; and what :func:`park`
+            raises, for the first bad call (nothing parked then).
     """
     store, settings = store_for(app)
     calls = list(calls)
