@@ -85,18 +85,7 @@ def parse_before(text: str) -> datetime:
     Raises:
         Fail: not ISO 8601 (exit 2).
     """
-    value = text.strip()
-    if value[-1:] in ("Z", "z"):
-        value = value[:-1] + "+00:00"  # Python 3.10 reads no "Z"
-    try:
-        at = datetime.fromisoformat(value)
-    except ValueError:
-        raise Fail(
-            EXIT_USAGE, f"--before {text!r} is not ISO 8601: give e.g. 2027-01-01T00:00Z"
-        ) from None
-    if at.tzinfo is None or at.utcoffset() is None:
-        at = at.replace(tzinfo=timezone.utc)
-    return at
+    return parse_at(text, "--before", naive_utc=True)
 
 
 # -- the store ---------------------------------------------------------------------

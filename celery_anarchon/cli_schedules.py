@@ -48,7 +48,7 @@ import json
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 import click
@@ -91,12 +91,13 @@ def parse_every(text: str) -> float:
     return float(match["number"]) * UNITS[match["unit"] or "s"]
 
 
-def parse_at(text: str, option: str = "--at") -> datetime:
+def parse_at(text: str, option: str = "--at", *, naive_utc: bool = False) -> datetime:
     """``--at`` (or ``option``): an ISO 8601 instant that carries its zone
-    (``Z`` or an offset), as an aware datetime.
+    (``Z`` or an offset), as an aware datetime; with ``naive_utc``, one
+    without a zone is read as UTC.
 
     Raises:
-        Fail: not ISO 8601, or naive (exit 2).
+        Fail: not ISO 8601, or naive (without ``naive_utc``) (exit 2).
     """
     value = text.strip()
     if value[-1:] in ("Z", "z"):
@@ -108,6 +109,8 @@ def parse_at(text: str, option: str = "--at") -> datetime:
             EXIT_USAGE, f"{option} {text!r} is not ISO 8601: give e.g. 2027-01-01T00:00Z"
         ) from None
     if at.tzinfo is None or at.utcoffset() is None:
+        if naive_utc:
+            return at.replace(tzinfo=timezone.utc)
         raise Fail(
             EXIT_USAGE,
             f"{option} {text!r} has no time zone, so hosts in other zones would read another "

@@ -110,15 +110,7 @@ local out = {}
 for i = 1, #ARGV, 2 do
     local id, token = ARGV[i], ARGV[i + 1]
     if redis.call('HGET', KEYS[3], id) == token then
-        local key = redis.call('HGET', KEYS[6], id)
-        redis.call('ZREM', KEYS[1], id)
-        redis.call('HDEL', KEYS[2], id)
-        redis.call('HDEL', KEYS[3], id)
-        redis.call('HDEL', KEYS[4], id)
-        redis.call('HDEL', KEYS[6], id)
-        if key and redis.call('HGET', KEYS[5], key) == id then
-            redis.call('HDEL', KEYS[5], key)
-        end
+        forget(KEYS, id)
         table.insert(out, 1)
     else
         table.insert(out, 0)
@@ -166,14 +158,7 @@ if redis.call('HEXISTS', KEYS[2], id) == 0 or redis.call('HEXISTS', KEYS[3], id)
     return 0
 end
 if ARGV[2] == 'cancel' then
-    local key = redis.call('HGET', KEYS[6], id)
-    redis.call('ZREM', KEYS[1], id)
-    redis.call('HDEL', KEYS[2], id)
-    redis.call('HDEL', KEYS[4], id)
-    redis.call('HDEL', KEYS[6], id)
-    if key and redis.call('HGET', KEYS[5], key) == id then
-        redis.call('HDEL', KEYS[5], key)
-    end
+    forget(KEYS, id)
     return 1
 end
 local due = tonumber(ARGV[3])
@@ -185,11 +170,26 @@ end
 return 1
 """
 
+#: Shared by the scripts that delete a task (finish, cancel): every trace of
+#: ``id`` in the shard, and its key's entry while the key still names it.
+LUA_FORGET = """
+local function forget(keys, id)
+    local key = redis.call('HGET', keys[6], id)
+    redis.call('ZREM', keys[1], id)
+    for _, index in ipairs({2, 3, 4, 6}) do
+        redis.call('HDEL', keys[index], id)
+    end
+    if key and redis.call('HGET', keys[5], key) == id then
+        redis.call('HDEL', keys[5], key)
+    end
+end
+"""
+
 PARK = _script("delayed_park", LUA_PARK)
 TAKE = _script("delayed_take", LUA_TAKE)
-FINISH = _script("delayed_finish", LUA_FINISH)
+FINISH = _script("delayed_finish", LUA_FORGET + LUA_FINISH)
 GIVE_BACK = _script("delayed_give_back", LUA_GIVE_BACK)
-CHANGE = _script("delayed_change", LUA_CHANGE)
+CHANGE = _script("delayed_change", LUA_FORGET + LUA_CHANGE)
 
 
 def shard_of(text: str) -> int:
