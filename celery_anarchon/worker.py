@@ -115,6 +115,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -515,10 +516,13 @@ class WorkerIntegration:
 
         deadline = time.monotonic() + RELEASED_GATE_WAIT_S
         pause = 0.1
+        # One owner across the retries: a mark whose answer was lost (the
+        # store wrote it, then the connection dropped) is found to be ours.
+        owner = uuid.uuid4().hex
         while True:
             try:
                 store, delayed = store_for(self.app)
-                return store.mark_started(task_id, int(delayed.dedupe_ttl_s * 1000))
+                return store.mark_started(task_id, int(delayed.dedupe_ttl_s * 1000), owner)
             except Exception as exc:  # the store is down, or a bad setting
                 left = deadline - time.monotonic()
                 if left <= 0:

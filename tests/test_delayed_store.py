@@ -366,6 +366,16 @@ def test_finish_deletes_only_tasks_whose_lease_is_current(store: DelayedStore) -
 # -- the worker's start gate -----------------------------------------------------
 
 
+def test_mark_started_again_by_the_same_delivery_is_its_own(store: DelayedStore) -> None:
+    """A gate whose first call wrote the mark but lost the answer asks
+    again with the same owner: the mark is its own, not another's."""
+    task_id = str(uuid.uuid4())
+    assert store.mark_started(task_id, 60_000, "delivery-1") is True
+    assert store.mark_started(task_id, 60_000, "delivery-1") is True  # the retry
+    assert store.mark_started(task_id, 60_000, "delivery-2") is False  # a second delivery
+    assert store.mark_started(task_id, 60_000) is False
+
+
 def test_mark_started_once_per_task_id_for_keep_ms(store: DelayedStore) -> None:
     task_id = str(uuid.uuid4())
     assert store.mark_started(task_id, 60_000) is True

@@ -212,6 +212,7 @@ class _Tables:
             metadata,
             sa.Column("id", sa.Text, primary_key=True),
             sa.Column("keep_until_ms", sa.BigInteger, nullable=False),
+            sa.Column("owner", sa.Text, nullable=True),
             sa.Index(f"{prefix}delayed_started_keep", "keep_until_ms"),
         )
         return cls(metadata, delayed, started, f"{prefix}delayed_token")
@@ -611,22 +612,25 @@ class PostgresDelayedStore(DelayedStore):
 
     # -- the worker's start gate ---------------------------------------------------
 
-    def mark_started(self, task_id: str, keep_ms: int) -> bool:
+    def mark_started(self, task_id: str, keep_ms: int, owner: str = "") -> bool:
         """The worker's start gate: ``INSERT .. ON CONFLICT (id) DO UPDATE
-        .. WHERE keep_until_ms <= now`` of a mark kept ``keep_ms``
-        milliseconds.
+        .. WHERE keep_until_ms <= now OR owner = :owner`` of a mark kept
+        ``keep_ms`` milliseconds, made by the delivery ``owner``.
 
         Returns:
-            True when no live mark of ``task_id`` was there (it is now),
-            False when one was (a later delivery).
+            True when no live mark of ``task_id`` was there (it is now), or
+            the live one is ``owner``'s own (its earlier call committed and
+            the answer was lost); False when another delivery's is.
         """
         s = self._tables.started
         now = sa.literal_column(NOW_SQL, sa.BigInteger)
-        stmt = postgresql_sql.insert(s).values(id=task_id, keep_until_ms=now + max(1, int(keep_ms)))
+        stmt = postgresql_sql.insert(s).values(
+            id=task_id, keep_until_ms=now + max(1, int(keep_ms)), owner=owner or None
+        )
         stmt = stmt.on_conflict_do_update(
             index_elements=[s.c.id],
-            set_={"keep_until_ms": stmt.excluded.keep_until_ms},
-            where=s.c.keep_until_ms <= now,
+            set_={"keep_until_ms": stmt.excluded.keep_until_ms, "owner": stmt.excluded.owner},
+            where=(s.c.keep_until_ms <= now) | ((s.c.owner == owner) if owner else sa.false()),
         )
         options = {"preserve_rowcount": True}  # SQLAlchemy keeps an INSERT's only when asked
         with self._write("mark a delayed task started") as conn:

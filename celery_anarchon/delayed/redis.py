@@ -481,11 +481,14 @@ class RedisDelayedStore(DelayedStore):
         head = [retry_at_ms, error[:1000], "1" if failed else "0"]
         return self._fenced(GIVE_BACK, taken, head)
 
-    def mark_started(self, task_id: str, keep_ms: int) -> bool:
+    def mark_started(self, task_id: str, keep_ms: int, owner: str = "") -> bool:
         key = f"{self._tags[shard_of(task_id)]}:started:{task_id}"
         client = self.backend._require_client()
         with self.backend._translated("delayed start gate"):
-            return bool(client.set(key, 1, nx=True, px=max(1, int(keep_ms))))
+            if client.set(key, owner or "1", nx=True, px=max(1, int(keep_ms))):
+                return True
+            # Ours when an earlier call of this delivery set it (its answer lost).
+            return bool(owner) and _text(client.get(key) or b"") == owner
 
     def listener(self) -> Listener:
         return _RedisListener(self)

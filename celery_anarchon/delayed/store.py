@@ -118,9 +118,12 @@ class DelayedStore(abc.ABC):
         as :meth:`finish`."""
 
     @abc.abstractmethod
-    def mark_started(self, task_id: str, keep_ms: int) -> bool:
+    def mark_started(self, task_id: str, keep_ms: int, owner: str = "") -> bool:
         """The worker's start gate: True for the first delivery of a
-        released task id, False for any later one; remembered ``keep_ms``."""
+        released task id, False for any later one; remembered ``keep_ms``.
+        ``owner`` names the delivery asking (one value across its retries):
+        when an earlier call of the same owner made the mark and its answer
+        was lost, the call answers True again."""
 
     @abc.abstractmethod
     def listener(self) -> Listener:

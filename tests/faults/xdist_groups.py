@@ -22,16 +22,15 @@ import pytest
 GROUPED = ("tests/faults/test_campaign.py", "tests/faults/test_servers.py")
 GROUP = "faults"
 
-#: The delayed tasks' fault rows: a group of their own, one row at a time,
-#: beside the campaign's (each group loads the machine with one row's beats
-#: and worker; one group after the other made the default run 17 minutes).
+#: The delayed tasks' fault rows: in the same group, one row at a time (a
+#: group of their own beside the campaign's left the run's time as it was,
+#: 17 minutes, and loaded the machine with two rows at once).
 DELAYED = "tests/faults/test_delayed_faults.py"
-DELAYED_GROUP = "delayed-faults"
 
 
 def group_of(nodeid: str) -> str:
     """The scheduling unit of test ``nodeid``: :data:`GROUP` for the
-    campaign's tests, :data:`DELAYED_GROUP` for the delayed rows, an
+    campaign's tests, :data:`GROUP` also for the delayed rows, an
     ``@name`` suffix where xdist managed to add one, the node id itself
     otherwise."""
     if nodeid.rfind("@") > nodeid.rfind("]"):
@@ -39,7 +38,7 @@ def group_of(nodeid: str) -> str:
     if nodeid.startswith(GROUPED):
         return GROUP
     if nodeid.startswith(DELAYED):
-        return DELAYED_GROUP
+        return GROUP
     return nodeid
 
 
