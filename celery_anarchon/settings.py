@@ -331,6 +331,20 @@ _GLOBAL_KEYS = (
 
 
 #: Every ``anarchon_*`` setting this package reads (any module).
+#: The delayed tasks' settings (read by :mod:`celery_anarchon.delayed.settings`).
+DELAYED_SETTINGS = frozenset(
+    {
+        "anarchon_delayed_release",
+        "anarchon_delayed_lease",
+        "anarchon_delayed_batch",
+        "anarchon_delayed_poll",
+        "anarchon_delayed_max_bytes",
+        "anarchon_delayed_retries",
+        "anarchon_delayed_stuck_retry",
+        "anarchon_delayed_dedupe_ttl",
+    }
+)
+
 KNOWN_SETTINGS = frozenset(
     {f"anarchon_{key}" for key in _GLOBAL_KEYS}
     | {
@@ -343,16 +357,8 @@ KNOWN_SETTINGS = frozenset(
         "anarchon_metrics_addr",
         "anarchon_worker_strict",
         "anarchon_run_now_guard",
-        # the delayed tasks' (celery_anarchon.delayed.settings.SETTINGS)
-        "anarchon_delayed_release",
-        "anarchon_delayed_lease",
-        "anarchon_delayed_batch",
-        "anarchon_delayed_poll",
-        "anarchon_delayed_max_bytes",
-        "anarchon_delayed_retries",
-        "anarchon_delayed_stuck_retry",
-        "anarchon_delayed_dedupe_ttl",
     }
+    | DELAYED_SETTINGS
 )
 
 

@@ -20,7 +20,6 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from celery.canvas import Signature
-from kombu.exceptions import EncodeError
 
 from ..exceptions import ConfigurationError
 from ..message import HEADER_DELAYED
@@ -229,9 +228,7 @@ def _parked(
             parked_ms=int(time.time() * 1000),
             due_ms=due_ms,
         )
-    except EncodeError:
-        raise
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError) as exc:  # kombu raises EncodeError, which passes through
         raise TypeError(f"park {name}: the options are not JSON-safe ({exc}).") from exc
     size = len(payload.encode("utf-8"))
     if size > settings.max_bytes:

@@ -7,24 +7,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..exceptions import ConfigurationError
-from ..settings import flag
+from ..settings import DELAYED_SETTINGS, flag
 from ..times import seconds
 
 __all__ = ["DelayedSettings", "SETTINGS"]
 
-#: Every ``anarchon_delayed_*`` setting.
-SETTINGS = frozenset(
-    {
-        "anarchon_delayed_release",
-        "anarchon_delayed_lease",
-        "anarchon_delayed_batch",
-        "anarchon_delayed_poll",
-        "anarchon_delayed_max_bytes",
-        "anarchon_delayed_retries",
-        "anarchon_delayed_stuck_retry",
-        "anarchon_delayed_dedupe_ttl",
-    }
-)
+#: Every ``anarchon_delayed_*`` setting (kept with the others in
+#: :mod:`celery_anarchon.settings`, which refuses unknown ones).
+SETTINGS = DELAYED_SETTINGS
 
 
 @dataclass(frozen=True)
