@@ -1,12 +1,12 @@
-"""Durable delayed tasks (issue 17): what a parked task costs in Redis and
-PostgreSQL, how fast ``park`` is, and how fast and how punctually real beats
-release what is parked.
+"""Durable delayed tasks (issue 17): what a parked task costs in Redis,
+PostgreSQL, MySQL/MariaDB and SQLite, how fast ``park`` is, and how fast and
+how punctually real beats release what is parked.
 
     python -m bench.delayed [--redis-count 1000000] [--pg-count 100000]
         [--redis-single 20000] [--pg-single 2000] [--chunk 1000]
         [--instances 3] [--spread 0] [--late-count 20000] [--late-seconds 20]
         [--push-count 200] [--push-rate 20] [--poll 2] [--margin 5]
-        [--stall 30] [--settle 3] [--backend redis,postgresql]
+        [--stall 30] [--settle 3] [--backend redis,postgresql[,mysql,sqlite]]
         [--profile DIR] [--tiny] [--json PATH]
 
 Per backend of ``--backend``, in turn, each under a run-unique prefix (Redis
@@ -28,7 +28,10 @@ keys, PostgreSQL tables) removed at the end, also on SIGTERM:
      SAMPLES 0`` of the store's keys over the count (the store's own);
      PostgreSQL ``pg_total_relation_size`` of the table (heap, TOAST and
      indexes; also ``pg_relation_size`` and ``pg_indexes_size``) after
-     minus before, over the count.
+     minus before, over the count; MySQL the table's ``data_length +
+     index_length`` after ``ANALYZE TABLE`` (InnoDB's page counts);
+     SQLite the file's pages (``page_count * page_size``). MySQL and SQLite
+     take ``--pg-count`` and ``--pg-single``.
 2. ``--instances`` real ``celery -A bench.bench_app beat -S
    celery_anarchon.Scheduler`` processes (``beat_schedule`` empty; Celery's
    broker is Redis database 1, ``ANARCHON_BENCH_DELAYED_BROKER`` to change;
@@ -117,7 +120,9 @@ GOAL_MS = 100.0
 #: Release rate target of issue 17 for Redis with three instances, tasks/s.
 RATE_TARGET = 10_000.0
 
-BACKENDS = ("redis", "postgresql")
+BACKENDS = ("redis", "postgresql", "mysql", "sqlite")
+#: What runs without ``--backend`` (MySQL and SQLite when asked for).
+DEFAULT_BACKENDS = ("redis", "postgresql")
 
 
 @shared_task(name=TASK)
@@ -253,8 +258,42 @@ def postgres_memory(store: Any) -> dict[str, int]:
     return {"total": int(total or 0), "heap": int(heap or 0), "indexes": int(indexes or 0)}
 
 
+def mysql_memory(store: Any) -> dict[str, int]:
+    """``data_length + index_length`` of the store's table (after ``ANALYZE
+    TABLE``, so InnoDB's page counts are fresh), ``data_length`` (heap) and
+    ``index_length``, bytes."""
+    import sqlalchemy as sa
+
+    name = store.backend.prefix + "delayed"
+    with store.backend._write("analyze the delayed table") as conn:
+        conn.execute(sa.text(f"ANALYZE TABLE `{name}`")).all()
+        heap, indexes = conn.execute(
+            sa.text(
+                "SELECT data_length, index_length FROM information_schema.tables "
+                "WHERE table_schema = DATABASE() AND table_name = :name"
+            ),
+            {"name": name},
+        ).one()
+    return {"total": int(heap) + int(indexes), "heap": int(heap), "indexes": int(indexes)}
+
+
+def sqlite_memory(store: Any) -> dict[str, int]:
+    """The SQLite file's pages, bytes (the whole file: the claims' tables
+    too, which do not grow while parking)."""
+    with store.backend._read("count the file's pages") as conn:
+        pages = int(conn.exec_driver_sql("PRAGMA page_count").scalar_one())
+        size = int(conn.exec_driver_sql("PRAGMA page_size").scalar_one())
+    return {"total": pages * size}
+
+
 def memory(kind: str, store: Any) -> dict[str, int]:
-    return redis_memory(store) if kind == "redis" else postgres_memory(store)
+    found = {
+        "redis": redis_memory,
+        "postgresql": postgres_memory,
+        "mysql": mysql_memory,
+        "sqlite": sqlite_memory,
+    }[kind]
+    return found(store)
 
 
 def per_task(before: dict[str, int], after: dict[str, int], count: int) -> dict[str, float]:
@@ -775,8 +814,11 @@ def rows_of(r: dict[str, Any], args: argparse.Namespace) -> dict[str, str]:
         rows["memory per task, the store's own (bytes)"] = (
             f"{_n(m.get('keys'))} (MEMORY USAGE of its keys)"
         )
+    elif kind == "sqlite":
+        rows["memory per task, whole (bytes)"] = f"{_n(m.get('total'))} (the file's pages)"
     else:
-        rows["memory per task, whole (bytes)"] = f"{_n(m.get('total'))} (total relation size)"
+        what = "total relation size" if kind == "postgresql" else "data + index length"
+        rows["memory per task, whole (bytes)"] = f"{_n(m.get('total'))} ({what})"
         rows["memory per task, the store's own (bytes)"] = (
             f"{_n(m.get('heap'))} heap + {_n(m.get('indexes'))} indexes"
         )
@@ -917,7 +959,7 @@ def report(results: Sequence[dict[str, Any]], args: argparse.Namespace) -> str:
     labels: list[str] = []
     for column in columns:
         labels += [label for label in column if label not in labels]
-    names = {"redis": "Redis", "postgresql": "PostgreSQL"}
+    names = {"redis": "Redis", "postgresql": "PostgreSQL", "mysql": "MariaDB", "sqlite": "SQLite"}
     headers = ["figure", *(names[r["backend"]] for r in results)]
     rows = [[label, *(c.get(label, "-") for c in columns)] for label in labels]
     lines = [
@@ -941,7 +983,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m bench.delayed", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--redis-count", type=int, default=1_000_000, help="tasks in the burst")
-    parser.add_argument("--pg-count", type=int, default=100_000, help="tasks in the burst")
+    parser.add_argument(
+        "--pg-count", type=int, default=100_000, help="tasks in the burst (also MySQL, SQLite)"
+    )
     parser.add_argument("--redis-single", type=int, default=20_000, help="single park calls")
     parser.add_argument("--pg-single", type=int, default=2_000, help="single park calls")
     parser.add_argument("--chunk", type=int, default=1000, help="tasks per park_many call")
@@ -955,7 +999,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--margin", type=float, default=5.0, help="s between parking and due")
     parser.add_argument("--stall", type=float, default=30.0, help="give up after s of nothing")
     parser.add_argument("--settle", type=float, default=3.0, help="s of reading at the end")
-    parser.add_argument("--backend", default=",".join(BACKENDS), help="redis, postgresql")
+    parser.add_argument(
+        "--backend",
+        default=",".join(DEFAULT_BACKENDS),
+        help="some of redis, postgresql, mysql, sqlite (default redis,postgresql)",
+    )
     parser.add_argument("--profile", help="folder for a py-spy profile of a beat in the burst")
     parser.add_argument("--tiny", action="store_true", help="a few seconds, for the test suite")
     parser.add_argument("--json", help="write raw results to this file")
@@ -973,7 +1021,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     backends = []
     for backend in (b.strip() for b in args.backend.split(",") if b.strip()):
         if backend not in BACKENDS:
-            parser.error(f"--backend {backend}: use redis or postgresql")
+            parser.error(f"--backend {backend}: use {', '.join(BACKENDS)}")
         if common.service_up(common.BACKEND_SERVICE[backend]):
             backends.append(backend)
         else:

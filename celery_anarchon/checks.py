@@ -198,7 +198,15 @@ def probe_backend(backend: Backend) -> Probe:
 
 @dataclass
 class CheckResult:
-    """What ``check`` found: problems (exit 1) and warnings (exit 0)."""
+    """What ``check`` found: problems (exit 1) and warnings (exit 0).
+
+    Attributes:
+        backend: the claim backend, credentials masked (None: not built).
+        delayed_backend: the backend that keeps parked tasks
+            (``anarchon_delayed_backend``, else the claim backend),
+            credentials masked; None when the set-up keeps none (a warning
+            says why) or it could not be built (a problem says why).
+    """
 
     problems: list[dict[str, str]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -206,6 +214,7 @@ class CheckResult:
     backend: str | None = None
     connected: bool = False
     unreachable: bool = False
+    delayed_backend: str | None = None
 
     def problem(self, where: str, message: str) -> None:
         self.problems.append({"where": where, "message": sanitize_url(message)})
@@ -222,12 +231,17 @@ def run_check(app: Any, schedule_filename: str | None, connect: bool) -> CheckRe
     for where, validate in (
         ("anarchon_registry_ttl", lambda: registry_ttl(app.conf)),
         ("anarchon_metrics_port", lambda: metrics_config(app.conf)),
-        ("anarchon_delayed_*", lambda: DelayedSettings.from_app(app)),
+        ("anarchon_park_countdown_over", lambda: _parking_settings(app)),
     ):
         try:
             validate()
         except ConfigurationError as exc:
             result.problem(where, str(exc))
+    try:
+        delayed: DelayedSettings | None = DelayedSettings.from_app(app)
+    except ConfigurationError as exc:
+        result.problem("anarchon_delayed_*", str(exc))
+        delayed = None
     try:
         zone = app_zone(app)
     except ConfigurationError as exc:
@@ -243,7 +257,51 @@ def run_check(app: Any, schedule_filename: str | None, connect: bool) -> CheckRe
     backend = _check_backend(app, settings, schedule_filename, jobs, result)
     if backend is not None and connect:
         _check_connect(backend, settings, result)
+    if delayed is not None:
+        _check_delayed(settings, delayed, connect, result)
     return result
+
+
+def _parking_settings(app: Any) -> None:
+    """Read the transparent parking settings (raises ConfigurationError)."""
+    from .delayed.parking import ParkingSettings
+
+    ParkingSettings.from_app(app)
+
+
+def _check_delayed(
+    settings: Settings, delayed: DelayedSettings, connect: bool, result: CheckResult
+) -> None:
+    """The backend that keeps parked tasks, as ``park`` and beat build it:
+    ``anarchon_delayed_backend`` (its URL checked, and with ``connect`` it is
+    reached when it is not the claim backend), else the claim backend. A
+    set-up that keeps no delayed tasks (claims on RabbitMQ, no
+    ``anarchon_delayed_backend``) is a warning: beat runs, ``park`` refuses."""
+    from .delayed import delayed_backend, delayed_off, store_in
+
+    off = delayed_off(settings, delayed)
+    if off is not None:
+        result.warnings.append(off)
+        return
+    try:
+        backend = delayed_backend(settings, delayed, instance="anarchon-check")
+        store = store_in(backend, delayed)
+    except ConfigurationError as exc:
+        if delayed.backend is not None:
+            result.problem("anarchon_delayed_backend", str(exc))
+        return  # else: the claim backend keeps none, or its own problem is reported
+    result.delayed_backend = backend.describe()
+    if not connect or delayed.backend is None:
+        return
+    try:
+        backend.open()
+    except BackendUnavailable as exc:
+        result.unreachable = True
+        result.problem("anarchon_delayed_backend", f"unreachable: {one_line(exc)}")
+    except ConfigurationError as exc:
+        result.problem("anarchon_delayed_backend", str(exc))
+    finally:
+        store.close()
 
 
 def _check_jobs(

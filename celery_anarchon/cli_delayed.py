@@ -26,8 +26,8 @@ Exit codes, as for every ``celery anarchon`` command:
       not ISO 8601, a naive ``WHEN``), or ``show`` of a key or id that no
       parked task has.
 3     The backend is unreachable.
-4     The configuration cannot be loaded, or the backend keeps no delayed
-      tasks (only Redis and PostgreSQL do).
+4     The configuration cannot be loaded, or no backend keeps delayed
+      tasks (claims on RabbitMQ without ``anarchon_delayed_backend``).
 ====  ==================================================================
 """
 
@@ -93,13 +93,14 @@ def parse_before(text: str) -> datetime:
 
 @contextmanager
 def _delayed_app(ctx: click.Context) -> Iterator[tuple[Any, DelayedStore]]:
-    """The app and its delayed store, the store's connections closed
-    afterwards.
+    """The app and its delayed store (in ``anarchon_delayed_backend``,
+    else the claim backend), the store's connections closed afterwards.
 
     Raises:
         ConfigurationError: a bad setting that ``check`` reports (exit 4).
-        Fail: the backend keeps no delayed tasks, or a bad
-            ``anarchon_delayed_*`` setting (exit 4).
+        Fail: no backend keeps delayed tasks, or a bad
+            ``anarchon_delayed_*`` setting, ``anarchon_delayed_backend``
+            included (exit 4).
     """
     app = app_of(ctx)
     Settings.from_app(app)  # a bad anarchon_* setting: exit 4, pointing to `check`
@@ -197,7 +198,8 @@ def delayed_group() -> None:
     A task is named by its key or its task id. Exit codes: 0 done; 1
     nothing done (cancel or reschedule of a task not pending); 2 usage, or
     show of an unknown task; 3 backend unreachable; 4 configuration error,
-    or a backend that keeps no delayed tasks (only Redis and PostgreSQL do).
+    or no backend keeps delayed tasks (claims on RabbitMQ without
+    anarchon_delayed_backend).
     """
 
 

@@ -334,6 +334,7 @@ _GLOBAL_KEYS = (
 #: The delayed tasks' settings (read by :mod:`celery_anarchon.delayed.settings`).
 DELAYED_SETTINGS = frozenset(
     {
+        "anarchon_delayed_backend",
         "anarchon_delayed_release",
         "anarchon_delayed_lease",
         "anarchon_delayed_batch",
@@ -342,6 +343,7 @@ DELAYED_SETTINGS = frozenset(
         "anarchon_delayed_retries",
         "anarchon_delayed_stuck_retry",
         "anarchon_delayed_dedupe_ttl",
+        "anarchon_park_countdown_over",
     }
 )
 
@@ -357,6 +359,7 @@ KNOWN_SETTINGS = frozenset(
         "anarchon_metrics_addr",
         "anarchon_worker_strict",
         "anarchon_run_now_guard",
+        "anarchon_web_token",
     }
     | DELAYED_SETTINGS
 )

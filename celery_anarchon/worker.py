@@ -64,7 +64,11 @@ are untouched:
 
 Released parked tasks (the ``anarchon_delayed`` header,
 docs/delayed-tasks.md): the first delivery of a task id passes the gate and
-later ones are discarded (:meth:`WorkerIntegration._gate_released`).
+later ones are discarded (:meth:`WorkerIntegration._gate_released`); each
+retry of it is marked apart (:func:`released_mark`), so a retry parked by
+:class:`~celery_anarchon.delayed.parking.ParkingTask` runs once. A parked
+retry of a scheduled run carries both headers: it passes the released
+gate, then the run's retry gate below.
 
 Retry (``self.retry()``): the same slot, not a new run. The retried message
 keeps the headers, so the plain gate would refuse it as a duplicate.
@@ -126,7 +130,7 @@ from celery.exceptions import Ignore
 
 from .backends import backend_from_settings
 from .backends.base import Backend, Claim, LeaseBackend, State
-from .exceptions import AnarchonError
+from .exceptions import AnarchonError, ConfigurationError
 from .message import (
     HEADER_DELAYED,
     HEADER_JOB,
@@ -149,6 +153,7 @@ __all__ = [
     "install",
     "integration_of",
     "message_expiry_ms",
+    "released_mark",
 ]
 
 logger = logging.getLogger(__name__)
@@ -411,7 +416,6 @@ class WorkerIntegration:
         setattr(request, _GATED_ATTR, True)
         if _header(request, HEADER_DELAYED) is not None:
             self._gate_released(task, request)
-            return
         claim = claim_of(request)
         if claim is None:
             return
@@ -458,8 +462,13 @@ class WorkerIntegration:
         its task id passes, any later one is discarded: a duplicate publish
         (a releaser's take-over), or the broker's redelivery of a message
         whose task started (its ack lost), unless the task has
-        ``acks_late``, whose redelivery runs again as in plain Celery. A
-        retry (``self.retry()``: the same task again) passes.
+        ``acks_late``, whose redelivery runs again as in plain Celery.
+
+        A retry (``self.retry()``) keeps the task id, so the gate marks each
+        attempt on its own, by :func:`released_mark` (the id and
+        ``request.retries``): a retry runs once, whether Celery's countdown
+        or a parked release delivered it, and a second delivery of that
+        retry is discarded like any other.
 
         While the store does not answer, the gate waits for it, asking again
         with backoff, up to :data:`RELEASED_GATE_WAIT_S`: a second delivery
@@ -472,9 +481,7 @@ class WorkerIntegration:
             Ignore: a later delivery, or (``anarchon_worker_strict``) the
                 store could not be asked within the wait.
         """
-        task_id = str(request.id)
-        if request.retries and not _redelivered(request):
-            return
+        task_id = released_mark(str(request.id), request.retries)
         first = self._mark_released(task_id)
         if first is None:
             if self._strict():
@@ -523,7 +530,18 @@ class WorkerIntegration:
             try:
                 store, delayed = store_for(self.app)
                 return store.mark_started(task_id, int(delayed.dedupe_ttl_s * 1000), owner)
-            except Exception as exc:  # the store is down, or a bad setting
+            except ConfigurationError as exc:
+                # Asking again cannot help: this worker's settings name no
+                # store (a releaser elsewhere was configured with one).
+                logger.error(
+                    "anarchon: the start gate of released task %s has no store to ask: %s "
+                    "Give this worker the same anarchon_backend / anarchon_delayed_backend "
+                    "as the beats that release it.",
+                    task_id,
+                    exc,
+                )
+                return None
+            except Exception as exc:  # the store is down
                 left = deadline - time.monotonic()
                 if left <= 0:
                     logger.warning("anarchon: the start gate of %s failed: %s", task_id, exc)
@@ -956,6 +974,14 @@ def _add_gate(cls: type) -> None:
     before_start.__doc__ = original.__doc__
     before_start.__qualname__ = f"{cls.__qualname__}.before_start"
     cls.before_start = before_start  # type: ignore[attr-defined]
+
+
+def released_mark(task_id: str, retries: Any) -> str:
+    """What the start gate marks for one attempt of a released task: its
+    task id for the first attempt, ``"<task id>#retry<n>"`` for retry ``n``
+    (``request.retries``), so the attempts of one task id are told apart."""
+    count = retries if isinstance(retries, int) and not isinstance(retries, bool) else 0
+    return task_id if count <= 0 else f"{task_id}#retry{count}"
 
 
 def _redelivered(request: Any) -> bool:

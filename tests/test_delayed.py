@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -20,16 +22,36 @@ from celery_anarchon import delayed
 from celery_anarchon.exceptions import BackendUnavailable, ConfigurationError
 
 from .beats import BeatCluster, read_queue
-from .conftest import POSTGRES_URL, REDIS_URL, RUN_ID, require_service
+from .conftest import MYSQL_URL, POSTGRES_URL, REDIS_URL, RUN_ID, require_service
 
-STORES = ["redis", "postgresql"]
+STORES = ["redis", "postgresql", "mysql", "sqlite"]
+
+#: The folder of the SQLite stores' files (one per tag).
+SQLITE_DIR = Path(tempfile.gettempdir()) / f"anarchon-test-{RUN_ID}"
 
 
 def store_url(name: str, tag: str) -> str:
-    """A backend URL of kind ``name`` with a prefix of ``tag``'s own."""
+    """A backend URL of kind ``name`` with a prefix of ``tag``'s own (for
+    SQLite, a file of its own too)."""
     if name == "redis":
         return f"{REDIS_URL}?prefix=anarchon-test:{RUN_ID}:{tag}:"
-    return f"{POSTGRES_URL}?prefix=t{RUN_ID}_{tag}_"
+    if name == "sqlite":
+        SQLITE_DIR.mkdir(exist_ok=True)
+        return f"sqlite:///{SQLITE_DIR / tag}.db?prefix=t{RUN_ID}_{tag}_"
+    url = {"postgresql": POSTGRES_URL, "mysql": MYSQL_URL}[name]
+    return f"{url}?prefix=t{RUN_ID}_{tag}_"
+
+
+def store_fixtures(request: pytest.FixtureRequest, name: str) -> None:
+    """Require the store ``name``'s service and its clean-up (SQLite: the
+    files of :data:`SQLITE_DIR`, after the test)."""
+    require_service(name)
+    if name == "redis":
+        request.getfixturevalue("_redis_cleanup")
+    elif name == "sqlite":
+        request.addfinalizer(lambda: shutil.rmtree(SQLITE_DIR, ignore_errors=True))
+    else:
+        request.getfixturevalue("_sql_cleanup")
 
 
 def make_app(url: str, **conf: Any) -> Celery:
@@ -46,8 +68,7 @@ def make_app(url: str, **conf: Any) -> Celery:
 @pytest.fixture(params=STORES)
 def app(request: pytest.FixtureRequest) -> Iterator[Celery]:
     name: str = request.param
-    require_service(name)
-    request.getfixturevalue("_redis_cleanup" if name == "redis" else "_sql_cleanup")
+    store_fixtures(request, name)
     made = make_app(store_url(name, uuid.uuid4().hex[:6]))
     yield made
     store, _ = delayed.store_for(made)
@@ -128,8 +149,8 @@ def test_bad_input_is_refused_at_park(app: Celery) -> None:
         delayed.park(app, "tests.add", (object(), 1), countdown=5)
     with pytest.raises(ValueError, match="anarchon_delayed_max_bytes"):
         delayed.park(app, "tests.add", ("x" * 300_000, 1), countdown=5)
-    with pytest.raises(TypeError, match="link"):
-        delayed.park(app, "tests.add", (1, 2), countdown=5, link="tests.add")
+    with pytest.raises(TypeError, match="mandatory"):
+        delayed.park(app, "tests.add", (1, 2), countdown=5, mandatory=True)
     with pytest.raises(TypeError, match="countdown"):
         delayed.park(app, "tests.add", (1, 2), options_countdown=5)
     with pytest.raises(ValueError, match="task_id"):
@@ -155,10 +176,24 @@ def test_a_store_that_is_down_raises_backend_unavailable() -> None:
         delayed.park(app, "tests.add", (1, 2), countdown=5)
 
 
-def test_a_backend_without_a_delayed_store_is_refused_clearly(tmp_path: Path) -> None:
+def test_a_backend_without_a_delayed_store_is_refused_clearly() -> None:
+    from celery_anarchon.backends import backend_from_url
+
+    rabbit = backend_from_url("amqp://guest:guest@127.0.0.1:5672//", instance="delayed-test")
+    with pytest.raises(ConfigurationError, match="Redis, PostgreSQL, MySQL/MariaDB or SQLite"):
+        delayed.store_from_backend(rabbit)
+
+
+def test_a_sqlite_store_parks_and_warns_that_it_serves_one_host(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     app = make_app(f"sqlite:///{tmp_path / 'claims.db'}")
-    with pytest.raises(ConfigurationError, match="Redis or PostgreSQL"):
-        delayed.park(app, "tests.add", (1, 2), countdown=5)
+    with caplog.at_level("WARNING", logger="celery_anarchon.delayed.sql"):
+        task_id = delayed.park(app, "tests.add", (1, 2), countdown=5)
+    assert delayed.get(app, task_id) is not None
+    [warning] = [r.getMessage() for r in caplog.records if "local SQLite file" in r.getMessage()]
+    assert "other hosts do not see them" in warning and str(tmp_path) in warning
+    delayed.store_for(app)[0].close()
 
 
 def test_cancel_against_a_concurrent_release_answers_definitely(app: Celery) -> None:
@@ -201,8 +236,7 @@ def test_three_beats_release_every_parked_task_once_and_never_early(
     name: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     require_service("redis")  # the broker
-    require_service(name)
-    request.getfixturevalue("_redis_cleanup" if name == "redis" else "_sql_cleanup")
+    store_fixtures(request, name)
     url = store_url(name, uuid.uuid4().hex[:6])
     cluster = BeatCluster(url, tmp_path, conf={"beat_schedule": {}})
     out = tmp_path / "stamps.txt"
@@ -239,6 +273,7 @@ def test_three_beats_release_every_parked_task_once_and_never_early(
     early = [(tag, ms) for tag, _, ms in runs if ms < int(tag)]
     assert early == []
     assert read_queue(cluster.broker, cluster.queue, timeout=0.5) == []
+    assert "database is locked" not in cluster.logs(tail=10**7)  # SQLite: one file, 3 beats
 
 
 def test_a_second_delivery_of_a_released_task_is_discarded_by_the_worker(

@@ -4,6 +4,8 @@ back, and that the backend's push wakes it."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,8 +23,8 @@ from celery_anarchon.delayed.releaser import Releaser, backoff_s
 from celery_anarchon.delayed.settings import DelayedSettings
 
 from .beats import read_queue
-from .conftest import POSTGRES_URL, require_service
-from .test_delayed import STORES, make_app, store_url
+from .conftest import MYSQL_URL, POSTGRES_URL, require_service
+from .test_delayed import STORES, make_app, store_fixtures, store_url
 
 BROKER = "redis://127.0.0.1:6379/1"
 
@@ -31,8 +33,7 @@ BROKER = "redis://127.0.0.1:6379/1"
 def url(request: pytest.FixtureRequest) -> str:
     name: str = request.param
     require_service("redis")
-    require_service(name)
-    request.getfixturevalue("_redis_cleanup" if name == "redis" else "_sql_cleanup")
+    store_fixtures(request, name)
     return store_url(name, uuid.uuid4().hex[:6])
 
 
@@ -190,20 +191,22 @@ def test_expires_counts_from_the_release_also_after_a_reschedule(url: str, made:
     assert 50 <= expires - time.time() <= 61
 
 
+@pytest.mark.parametrize("name", ["postgresql", "mysql"])
 def test_a_due_task_another_releaser_holds_does_not_make_a_busy_loop(
-    made: list[Any], request: pytest.FixtureRequest
+    name: str, made: list[Any], request: pytest.FixtureRequest
 ) -> None:
-    """PostgreSQL: a due row locked by another transaction (SKIP LOCKED
-    passes it over) makes the releaser back off towards its poll."""
-    require_service("postgresql")
-    request.getfixturevalue("_sql_cleanup")
+    """PostgreSQL, MySQL: a due row locked by another transaction (SKIP
+    LOCKED passes it over) makes the releaser back off towards its poll."""
+    require_service("redis")
+    store_fixtures(request, name)
     import sqlalchemy as sa
 
-    app = make_app(store_url("postgresql", uuid.uuid4().hex[:6]), broker_url=BROKER)
+    app = make_app(store_url(name, uuid.uuid4().hex[:6]), broker_url=BROKER)
     task_id = delayed.park(app, "tests.by_name", (1,))
     store, _ = delayed.store_for(app)
-    table = f'"{store.backend.prefix}delayed"'  # type: ignore[attr-defined]
-    engine = sa.create_engine(POSTGRES_URL.replace("postgresql://", "postgresql+psycopg://", 1))
+    table = f"{store.backend.prefix}delayed"  # type: ignore[attr-defined]
+    url = POSTGRES_URL.replace("postgresql://", "postgresql+psycopg://", 1)
+    engine = sa.create_engine(url if name == "postgresql" else MYSQL_URL)
     releaser = releaser_for(app, made, poll_s=1.0)
     with engine.begin() as conn:
         conn.execute(sa.text(f"SELECT id FROM {table} WHERE id = :id FOR UPDATE"), {"id": task_id})
@@ -267,6 +270,43 @@ def test_the_push_wakes_a_sleeping_releaser_long_before_its_poll(url: str, made:
     released_at = time.time()
     assert releaser.counts.released == 1
     assert due <= released_at < due + 1.5  # woken by the push, not the 30 s poll
+    assert len(read_queue(BROKER, queue, timeout=1)) == 1
+
+
+@pytest.mark.parametrize("name", ["mysql", "sqlite"])
+def test_without_a_push_a_park_from_another_process_waits_at_most_the_poll(
+    name: str, made: list[Any], request: pytest.FixtureRequest
+) -> None:
+    """MySQL and SQLite have no push: a task parked by another process, due
+    at once, is released by the releaser's next look at the store, within
+    ``anarchon_delayed_poll`` (1 s here)."""
+    require_service("redis")
+    store_fixtures(request, name)
+    url = store_url(name, uuid.uuid4().hex[:6])
+    queue = f"rel-{uuid.uuid4().hex[:8]}"
+    app = make_app(url, broker_url=BROKER)
+    delayed.count(app)  # the tables, before the releaser looks
+    releaser = releaser_for(app, made, poll_s=1.0)
+    releaser.start()
+    time.sleep(1.5)  # asleep, nothing parked
+    script = (
+        "import sys, time; from celery import Celery; from celery_anarchon import delayed\n"
+        f"app = Celery('other', broker={BROKER!r})\n"
+        f"app.conf.anarchon_backend = {url!r}\n"
+        f"delayed.park(app, 'tests.add', (1, 1), queue={queue!r})\n"
+        "print(time.time())\n"
+    )
+    parked_at = float(
+        subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, check=True
+        ).stdout.split()[-1]
+    )
+    deadline = time.time() + 10
+    while releaser.counts.released == 0 and time.time() < deadline:
+        time.sleep(0.02)
+    released_at = time.time()
+    assert releaser.counts.released == 1
+    assert parked_at <= released_at < parked_at + 1.0 + 0.5  # the poll, and a round's slack
     assert len(read_queue(BROKER, queue, timeout=1)) == 1
 
 

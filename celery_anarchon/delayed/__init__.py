@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery.canvas import Signature
 
@@ -26,6 +26,10 @@ from ..message import HEADER_DELAYED
 from .model import IN_FLIGHT, PENDING, Parked, ParkedTask, decode_payload, encode_payload
 from .settings import DelayedSettings
 from .store import DelayedStore
+
+if TYPE_CHECKING:
+    from ..backends.base import Backend
+    from ..settings import Settings
 
 __all__ = [
     "HEADER_DELAYED",
@@ -41,14 +45,20 @@ __all__ = [
     "park_many",
     "pending",
     "reschedule",
+    "delayed_backend",
+    "delayed_off",
     "store_for",
     "store_from_backend",
+    "store_in",
 ]
 
 
 #: The ``apply_async`` options ``park`` keeps for the release. ``expires`` in
 #: seconds counts from the due time; ``queue`` may be a kombu ``Queue`` (its
-#: name is kept).
+#: name is kept); ``link`` and ``link_error`` are signatures (or lists of
+#: them). The second group is what Celery's ``retry()``, chains and groups
+#: pass on (the attempt count, the parent and root ids, the rest of a
+#: chain, the group or chord it belongs to), kept as Celery sends them.
 OPTIONS = frozenset(
     {
         "queue",
@@ -64,6 +74,20 @@ OPTIONS = frozenset(
         "ignore_result",
         "shadow",
         "task_id",
+        "link",
+        "link_error",
+    }
+    | {
+        "retries",
+        "root_id",
+        "parent_id",
+        "group_id",
+        "group_index",
+        "chord",
+        "chain",
+        "reply_to",
+        "replaced_task_nesting",
+        "origin",
     }
 )
 
@@ -75,9 +99,14 @@ def store_for(app: Any) -> tuple[DelayedStore, DelayedSettings]:
     """The app's delayed store (made once per app and process) and the
     delayed settings.
 
+    The store lives in the backend ``anarchon_delayed_backend`` names, else
+    in the claim backend (``anarchon_backend``).
+
     Raises:
-        ConfigurationError: the backend has no delayed store (only Redis and
-            PostgreSQL have one), or a setting is bad.
+        ConfigurationError: a bad setting (``anarchon_delayed_backend``
+            included, named); no backend of the set-up keeps delayed tasks
+            (claims on RabbitMQ and no ``anarchon_delayed_backend``: the
+            message says why and what to set).
     """
     pid = os.getpid()
     with _STORES_LOCK:
@@ -90,19 +119,130 @@ def store_for(app: Any) -> tuple[DelayedStore, DelayedSettings]:
 
 
 def _make_store(app: Any) -> tuple[DelayedStore, DelayedSettings]:
-    from ..backends import backend_from_settings
     from ..settings import Settings
 
     settings = Settings.from_app(app)
-    backend = backend_from_settings(settings, instance=f"delayed-{os.getpid()}")
-    return store_from_backend(backend), DelayedSettings.from_app(app)
+    delayed = DelayedSettings.from_app(app)
+    backend = delayed_backend(settings, delayed, instance=f"delayed-{os.getpid()}")
+    return store_in(backend, delayed), delayed
+
+
+#: Where the docs say why a queue keeps no parked tasks.
+RABBITMQ_DOC = "docs/delayed-designs.md#why-rabbitmq-keeps-no-parked-tasks"
+
+#: The fix named by every refusal of a RabbitMQ store.
+_FIX = (
+    'set anarchon_delayed_backend = "redis://HOST:6379/0" (or a postgresql://, mysql:// '
+    "or, for one host, sqlite:/// URL); the claims stay where anarchon_backend puts them"
+)
+
+
+def delayed_off(settings: Settings, delayed: DelayedSettings) -> str | None:
+    """Why this set-up keeps no delayed tasks, or None when it keeps them.
+
+    Only one set-up keeps none: claims on RabbitMQ (``anarchon_backend``, or
+    a RabbitMQ broker by default) and no ``anarchon_delayed_backend``. A
+    queue cannot hold the store's contract (cancel, reschedule and get by
+    key or id, idempotent keys, counts) without a second store
+    (docs/delayed-designs.md).
+
+    Args:
+        settings: the app's :class:`~celery_anarchon.settings.Settings`.
+        delayed: its :class:`DelayedSettings`.
+    """
+    from ..backends import backend_from_settings
+
+    if delayed.backend is not None:
+        return None
+    try:
+        claims = backend_from_settings(settings, instance="anarchon-delayed")
+    except ConfigurationError:  # a bad claim backend is reported as such
+        return None
+    if claims.kind != "rabbitmq":
+        return None
+    return (
+        f"delayed tasks are off: anarchon_backend is RabbitMQ ({claims.describe()}) and "
+        "anarchon_delayed_backend is not set; a queue cannot cancel, reschedule or find a "
+        f"parked task by key, nor count them ({RABBITMQ_DOC}). To park, {_FIX}."
+    )
+
+
+def delayed_backend(settings: Settings, delayed: DelayedSettings, *, instance: str) -> Backend:
+    """The backend that keeps the parked tasks, built, not connected: the
+    one ``anarchon_delayed_backend`` names (its options from its URL's
+    query, e.g. ``?prefix=app:``; ``anarchon_backend_options`` belong to
+    the claim backend), else the claim backend.
+
+    Args:
+        settings: the app's :class:`~celery_anarchon.settings.Settings`.
+        delayed: its :class:`DelayedSettings`.
+        instance: the owner named in the backend's leases.
+    Raises:
+        ConfigurationError: ``anarchon_delayed_backend`` is not a URL a
+            backend serves, or is RabbitMQ (naming the setting, credentials
+            masked); the set-up keeps no delayed tasks (:func:`delayed_off`).
+    """
+    from ..backends import backend_from_settings, backend_from_url, sanitize_url, scheme_of
+
+    off = delayed_off(settings, delayed)
+    if off is not None:
+        raise ConfigurationError(off)
+    if delayed.backend is None:
+        return backend_from_settings(settings, instance=instance)
+    url = delayed.backend
+    shown = sanitize_url(url)
+    options = {}
+    if settings.allow_eviction and scheme_of(url) in {"redis", "rediss", "redis+sentinel"}:
+        options["allow_eviction"] = True
+    try:
+        backend = backend_from_url(url, instance=instance, options=options)
+    except ConfigurationError as exc:
+        raise ConfigurationError(
+            f"anarchon_delayed_backend = {shown!r}: {_without_setting(str(exc))}"
+        ) from exc
+    if backend.kind == "rabbitmq":
+        raise ConfigurationError(
+            f"anarchon_delayed_backend = {shown!r} is RabbitMQ, which keeps no parked tasks "
+            f"({RABBITMQ_DOC}); give a Redis or SQL URL: {_FIX}."
+        )
+    return backend
+
+
+def store_in(backend: Backend, delayed: DelayedSettings) -> DelayedStore:
+    """The delayed store in ``backend`` (from :func:`delayed_backend`),
+    not opened yet.
+
+    Raises:
+        ConfigurationError: that backend keeps no delayed tasks; naming
+            ``anarchon_delayed_backend`` when the setting chose it.
+    """
+    try:
+        return store_from_backend(backend)
+    except ConfigurationError as exc:
+        if delayed.backend is None:
+            raise
+        raise ConfigurationError(
+            f"anarchon_delayed_backend: {backend.describe()} keeps no delayed tasks; give "
+            "the URL of a backend that does (docs/delayed-tasks.md#where-parked-tasks-live)."
+        ) from exc
+
+
+def _without_setting(message: str) -> str:
+    """A backend's error without its leading ``anarchon_backend`` (or
+    ``anarchon_backend_options``) name, for a message that names
+    ``anarchon_delayed_backend`` instead."""
+    for name in ("anarchon_backend_options", "anarchon_backend"):
+        if message.startswith(name):
+            return message[len(name) :].lstrip(" :")
+    return message
 
 
 def store_from_backend(backend: Any) -> DelayedStore:
-    """The delayed store that lives in ``backend`` (not opened yet).
+    """The delayed store that lives in ``backend`` (not opened yet): Redis,
+    PostgreSQL, MySQL/MariaDB or SQLite (one host).
 
     Raises:
-        ConfigurationError: the backend has no delayed store.
+        ConfigurationError: the backend has no delayed store (RabbitMQ).
     """
     from ..backends.redis import RedisBackend
     from ..backends.sql import SQLBackend
@@ -111,14 +251,19 @@ def store_from_backend(backend: Any) -> DelayedStore:
         from .redis import RedisDelayedStore
 
         return RedisDelayedStore(backend)
-    if isinstance(backend, SQLBackend) and backend.kind == "postgresql":
-        from .postgres import PostgresDelayedStore
+    if isinstance(backend, SQLBackend):
+        if backend.kind == "postgresql":
+            from .postgres import PostgresDelayedStore
 
-        return PostgresDelayedStore(backend)
+            return PostgresDelayedStore(backend)
+        from .sql import SQLDelayedStore
+
+        return SQLDelayedStore(backend)
     raise ConfigurationError(
         f"anarchon_backend: {backend.describe()} keeps no delayed tasks; parking needs a "
-        "Redis or PostgreSQL backend. Set anarchon_backend to a redis:// or postgresql:// "
-        "URL (the claim backend and the delayed store are the same)."
+        "Redis, PostgreSQL, MySQL/MariaDB or SQLite backend. Set anarchon_backend to a "
+        "redis://, postgresql://, mysql:// or sqlite:/// URL (the claim backend and the "
+        "delayed store are the same)."
     )
 
 
@@ -151,6 +296,9 @@ def _option_value(name: str, value: Any) -> Any:
         return value.name
     if name == "exchange" and not isinstance(value, str) and hasattr(value, "name"):
         return value.name
+    if name in ("link", "link_error"):
+        # One signature or many, as Celery takes them; kept as a list.
+        return list(value) if isinstance(value, (list, tuple)) else [value]
     if name == "expires":
         if isinstance(value, datetime):
             if value.tzinfo is None:

@@ -14,7 +14,7 @@ version alone; it creates its own on first use:
   are distinct); ``ready_ms`` is indexed.
 * ``P delayed_started``: the worker gate's marks, ``id`` and
   ``keep_until_ms``; a mark past its ``keep_until_ms`` counts as absent and
-  is purged now and then (:data:`PURGE_EVERY_S`).
+  is purged now and then (:data:`~celery_anarchon.delayed.sql.PURGE_EVERY_S`).
 
 Every statement runs through the backend's bounded transactions, and every
 "now" is the database's ``clock_timestamp()`` in whole milliseconds (the
@@ -51,11 +51,9 @@ PostgreSQL's notification lock. :meth:`~PostgresDelayedStore.listener` is a
 from __future__ import annotations
 
 import logging
-import time
 import zlib
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from collections.abc import Sequence
+from contextlib import suppress
 from typing import Any
 
 import psycopg
@@ -68,8 +66,9 @@ from sqlalchemy.schema import CreateIndex, CreateTable
 from ..backends.sql import SQLBackend
 from ..backends.sql.dialects import _NOW_SQL
 from ..exceptions import BackendUnavailable, ConfigurationError
-from .model import IN_FLIGHT, PENDING, Parked, ParkedTask, Taken
-from .store import DelayedStore, Listener
+from .model import Parked, Taken
+from .sql import ERROR_CHARS, PARK_ROUNDS, SQLStore, chunks, key_order, row_taken
+from .store import Listener
 
 __all__ = ["MAX_KEY_BYTES", "PostgresDelayedStore"]
 
@@ -80,28 +79,10 @@ logger = logging.getLogger(__name__)
 #: judged due early).
 NOW_SQL = _NOW_SQL["postgresql"]
 
-#: Most rows, and most payload bytes, in one ``INSERT`` of a park.
-INSERT_ROWS = 500
-INSERT_BYTES = 4 * 1024 * 1024
-
 #: Longest key, bytes of UTF-8: a unique B-tree entry must fit a third of an
 #: 8 kB page (2,704 bytes after compression; PostgreSQL's
 #: ``BTMaxItemSize``), so longer keys are refused before the round trip.
 MAX_KEY_BYTES = 2000
-
-#: Longest error text kept by a give-back, characters.
-ERROR_CHARS = 1000
-
-#: How often ``take_due`` purges expired start marks, seconds, and most
-#: marks one purge deletes; a full purge lets the next ``take_due`` purge
-#: again at once, so a backlog drains.
-PURGE_EVERY_S = 60.0
-PURGE_BATCH = 10_000
-
-#: How often a park re-inserts a task whose conflicting row vanished (was
-#: released or cancelled) between the insert and the read-back, before
-#: giving up.
-PARK_ROUNDS = 5
 
 # The claim of take_due (module docstring). ``now`` is read once (an
 # InitPlan, so the ``ready_ms`` index serves the range); ``due`` is
@@ -179,53 +160,7 @@ def _quoted(name: str) -> str:
     return f'"{name}"'
 
 
-@dataclass(frozen=True)
-class _Tables:
-    """The store's tables and sequence under one prefix."""
-
-    metadata: sa.MetaData
-    delayed: sa.Table
-    started: sa.Table
-    sequence: str
-
-    @classmethod
-    def under(cls, prefix: str) -> _Tables:
-        metadata = sa.MetaData()
-        delayed = sa.Table(
-            f"{prefix}delayed",
-            metadata,
-            sa.Column("id", sa.Text, primary_key=True),
-            sa.Column("key", sa.Text, nullable=True),
-            sa.Column("task", sa.Text, nullable=False),
-            sa.Column("payload", sa.Text, nullable=False),
-            sa.Column("ready_ms", sa.BigInteger, nullable=False),
-            sa.Column("token", sa.BigInteger, nullable=False, server_default="0"),
-            sa.Column("owner", sa.Text, nullable=True),
-            sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
-            sa.Column("error", sa.Text, nullable=True),
-            sa.Column("parked_ms", sa.BigInteger, nullable=False),
-            sa.UniqueConstraint("key", name=f"{prefix}delayed_key"),
-            sa.Index(f"{prefix}delayed_ready", "ready_ms"),
-        )
-        started = sa.Table(
-            f"{prefix}delayed_started",
-            metadata,
-            sa.Column("id", sa.Text, primary_key=True),
-            sa.Column("keep_until_ms", sa.BigInteger, nullable=False),
-            sa.Column("owner", sa.Text, nullable=True),
-            sa.Index(f"{prefix}delayed_started_keep", "keep_until_ms"),
-        )
-        return cls(metadata, delayed, started, f"{prefix}delayed_token")
-
-    def names(self) -> list[str]:
-        """Every relation the store needs: tables, indexes, the sequence."""
-        relations = [self.delayed.name, self.started.name, self.sequence]
-        for table in (self.delayed, self.started):
-            relations += [str(index.name) for index in table.indexes]
-        return relations
-
-
-class PostgresDelayedStore(DelayedStore):
+class PostgresDelayedStore(SQLStore):
     """Parked tasks in a PostgreSQL :class:`~celery_anarchon.backends.sql.SQLBackend`,
     under its prefix (the module docstring gives the tables and the
     guarantees).
@@ -237,6 +172,7 @@ class PostgresDelayedStore(DelayedStore):
     """
 
     kind = "postgresql"
+    max_key_bytes = MAX_KEY_BYTES
 
     def __init__(self, backend: SQLBackend) -> None:
         """Prepare the store on ``backend`` (opened or not); nothing connects.
@@ -249,45 +185,24 @@ class PostgresDelayedStore(DelayedStore):
                 f"anarchon_backend: {backend.describe()} is {backend.kind}, and only a "
                 "PostgreSQL SQL backend keeps delayed tasks; use a postgresql:// URL."
             )
-        self.backend = backend
-        self._tables = _Tables.under(backend.prefix)
+        super().__init__(backend, fence=False)
+        #: the fencing-token sequence
+        self.sequence = f"{backend.prefix}delayed_token"
         #: the ``NOTIFY`` channel parks and earlier reschedules announce on
         self.channel = f"{backend.prefix}delayed_wake"
         names = {
             "delayed": _quoted(self._tables.delayed.name),
-            "sequence": _quoted(self._tables.sequence),
+            "sequence": _quoted(self.sequence),
             "now": NOW_SQL,
         }
         self._take = sa.text(TAKE_SQL.format(**names))
         self._insert = sa.text(INSERT_SQL.format(**names))
         self._finish = sa.text(FINISH_SQL.format(**names))
         self._give_back = sa.text(GIVE_BACK_SQL.format(**names))
-        self._ready = False
-        self._purge_after = 0.0
 
-    def describe(self) -> str:
-        """``delayed store in SQL (postgresql) <URL>``, the password masked."""
-        return f"delayed store in {self.backend.describe()}"
+    # -- tables ------------------------------------------------------------------
 
-    def now_ms(self) -> int:
-        """The database clock, epoch ms (UTC): ``clock_timestamp()``."""
-        return self.backend.now_ms()
-
-    # -- transactions and tables ----------------------------------------------
-
-    @contextmanager
-    def _write(self, what: str) -> Iterator[Connection]:
-        self._ensure_tables()
-        with self.backend._write(what) as conn:
-            yield conn
-
-    @contextmanager
-    def _read(self, what: str) -> Iterator[Connection]:
-        self._ensure_tables()
-        with self.backend._read(what) as conn:
-            yield conn
-
-    def _ensure_tables(self) -> None:
+    def _create_tables(self) -> None:
         """Create the tables, indexes and sequence when one is missing.
 
         One transaction under a transaction-scoped advisory lock of the
@@ -296,17 +211,17 @@ class PostgresDelayedStore(DelayedStore):
         relation present (``to_regclass``) runs no DDL at all, so a busy
         table is never locked by a ``CREATE INDEX IF NOT EXISTS``.
         """
-        if self._ready:
-            return
-        names = [_quoted(name) for name in self._tables.names()]
+        relations = [self._tables.delayed.name, self._tables.started.name, self.sequence]
+        for table in (self._tables.delayed, self._tables.started):
+            relations += [str(index.name) for index in table.indexes]
+        names = [_quoted(name) for name in relations]
         present = sa.select(*(sa.func.to_regclass(name).is_not(None) for name in names))
         with self.backend._read("look for the delayed tables") as conn:
             found = conn.execute(present).one()
         if not all(found):
-            self._create_tables()
-        self._ready = True
+            self._create_relations()
 
-    def _create_tables(self) -> None:
+    def _create_relations(self) -> None:
         delayed, started = self._tables.delayed, self._tables.started
         lock = zlib.crc32(f"celery-anarchon:{delayed.name}".encode())
         with self.backend._write("create the delayed tables") as conn:
@@ -314,7 +229,7 @@ class PostgresDelayedStore(DelayedStore):
             conn.execute(CreateTable(delayed, if_not_exists=True))
             conn.execute(
                 sa.text(
-                    f"CREATE SEQUENCE IF NOT EXISTS {_quoted(self._tables.sequence)} "
+                    f"CREATE SEQUENCE IF NOT EXISTS {_quoted(self.sequence)} "
                     f"OWNED BY {_quoted(delayed.name)}.token"
                 )
             )
@@ -327,11 +242,6 @@ class PostgresDelayedStore(DelayedStore):
     def _notify(self, conn: Connection, due_ms: int) -> None:
         """Announce ``due_ms`` on :attr:`channel` (sent at commit)."""
         conn.execute(sa.select(sa.func.pg_notify(self.channel, str(due_ms))))
-
-    def _head_ms(self, conn: Connection) -> int | None:
-        t = self._tables.delayed
-        head = conn.execute(sa.select(sa.func.min(t.c.ready_ms))).scalar()
-        return None if head is None else int(head)
 
     def _target(self, key_or_id: str) -> Any:
         """The id of the task parked under ``key_or_id`` as a key, else
@@ -354,22 +264,15 @@ class PostgresDelayedStore(DelayedStore):
         there (or the table was empty).
 
         Raises:
-            ValueError: a key longer than :data:`MAX_KEY_BYTES` bytes of
-                UTF-8 (nothing is parked).
+            ValueError: a key or task id longer than :data:`MAX_KEY_BYTES`
+                bytes of UTF-8 (nothing is parked).
             BackendUnavailable: no answer, or a task's conflicting row kept
                 vanishing for :data:`PARK_ROUNDS` rounds; nothing is parked
                 (the transaction is rolled back).
         """
-        for task in tasks:
-            if task.key is not None and len(task.key.encode("utf-8")) > MAX_KEY_BYTES:
-                raise ValueError(
-                    f"park {task.task}: the key is over {MAX_KEY_BYTES} bytes, more than "
-                    "PostgreSQL's unique index takes; use a shorter key (a hash of it)."
-                )
+        self._check_keys(tasks)
         answers: list[str | None] = [None] * len(tasks)
-        todo = sorted(
-            range(len(tasks)), key=lambda i: (tasks[i].key is None, tasks[i].key or tasks[i].id)
-        )
+        todo = key_order(tasks)
         with self._write("park delayed tasks") as conn:
             wake: int | None = None
             for _ in range(PARK_ROUNDS):
@@ -399,12 +302,13 @@ class PostgresDelayedStore(DelayedStore):
         self, conn: Connection, tasks: list[Parked]
     ) -> tuple[list[bool], int | None]:
         """Insert those of ``tasks`` that are absent, in order, in chunks of
-        :data:`INSERT_ROWS` rows and :data:`INSERT_BYTES` bytes; per task
+        :data:`~celery_anarchon.delayed.sql.INSERT_ROWS` rows and
+        :data:`~celery_anarchon.delayed.sql.INSERT_BYTES` bytes; per task
         whether it was inserted, and the earliest due time inserted when it
         is before what was the earliest (else None)."""
         inserted: list[bool] = []
         wake: int | None = None
-        for chunk in _chunks(tasks):
+        for chunk in chunks(tasks):
             rows = conn.execute(
                 self._insert,
                 {
@@ -424,28 +328,6 @@ class PostgresDelayedStore(DelayedStore):
             if dues and (head is None or min(dues) < head):
                 wake = min(dues) if wake is None else min(wake, *dues)
         return inserted, wake
-
-    def _existing(self, conn: Connection, tasks: list[Parked]) -> list[str | None]:
-        """For tasks that were not inserted: the id parked under the task's
-        key, else the task's own id when that is parked, else None (the row
-        it conflicted with is gone: insert again)."""
-        if not tasks:
-            return []
-        t = self._tables.delayed
-        keys = sorted({task.key for task in tasks if task.key is not None})
-        ids = sorted({task.id for task in tasks})
-        rows = conn.execute(
-            sa.select(t.c.id, t.c.key).where(sa.or_(t.c.key.in_(keys), t.c.id.in_(ids)))
-        ).all()
-        by_key = {row.key: row.id for row in rows if row.key is not None}
-        parked = {row.id for row in rows}
-        found: list[str | None] = []
-        for task in tasks:
-            if task.key is not None and task.key in by_key:
-                found.append(by_key[task.key])
-            else:
-                found.append(task.id if task.id in parked else None)
-        return found
 
     # -- changes by callers --------------------------------------------------------
 
@@ -484,52 +366,6 @@ class PostgresDelayedStore(DelayedStore):
                 self._notify(conn, due_ms)
         return bool(done)
 
-    # -- reading -----------------------------------------------------------------
-
-    def _columns(self) -> list[Any]:
-        t = self._tables.delayed
-        return [t.c.id, t.c.key, t.c.task, t.c.ready_ms, t.c.token, t.c.payload, t.c.attempts]
-
-    def get(self, key_or_id: str) -> ParkedTask | None:
-        """The task parked under the key ``key_or_id``, else the one with
-        that id, or None."""
-        t = self._tables.delayed
-        stmt = (
-            sa.select(*self._columns(), t.c.error)
-            .where(sa.or_(t.c.key == key_or_id, t.c.id == key_or_id))
-            .order_by(sa.case((t.c.key == key_or_id, 0), else_=1))
-            .limit(1)
-        )
-        with self._read("read a delayed task") as conn:
-            row = conn.execute(stmt).first()
-        return None if row is None else _task(row)
-
-    def pending(self, limit: int, before_ms: int | None = None) -> list[ParkedTask]:
-        """Up to ``limit`` parked tasks, pending and in flight, by
-        ``ready_ms`` (the due time, or the lease's expiry), earliest first;
-        only those with ``ready_ms`` before ``before_ms`` (epoch ms, UTC)
-        when given."""
-        if limit <= 0:
-            return []
-        t = self._tables.delayed
-        stmt = sa.select(*self._columns(), t.c.error).order_by(t.c.ready_ms, t.c.id).limit(limit)
-        if before_ms is not None:
-            stmt = stmt.where(t.c.ready_ms < int(before_ms))
-        with self._read("list delayed tasks") as conn:
-            return [_task(row) for row in conn.execute(stmt)]
-
-    def count(self) -> int:
-        """How many tasks are parked, pending and in flight (``count(*)``)."""
-        t = self._tables.delayed
-        with self._read("count delayed tasks") as conn:
-            return int(conn.execute(sa.select(sa.func.count()).select_from(t)).scalar_one())
-
-    def next_due_ms(self) -> int | None:
-        """The least ``ready_ms`` (a pending task's due time or an in-flight
-        lease's expiry), epoch ms (UTC), or None when nothing is parked."""
-        with self._read("read the next delayed due time") as conn:
-            return self._head_ms(conn)
-
     # -- releasing ---------------------------------------------------------------
 
     def take_due(self, limit: int, lease_ms: int, owner: str) -> list[Taken]:
@@ -544,9 +380,9 @@ class PostgresDelayedStore(DelayedStore):
             ``task.state`` is in flight, ``taken_over`` True when it was in
             flight, ``now_ms`` the database clock of the take.
 
-        Now and then (:data:`PURGE_EVERY_S`) it then purges expired start
-        marks, in a transaction of its own; a purge that fails is logged and
-        does not fail the take.
+        Now and then (:data:`~celery_anarchon.delayed.sql.PURGE_EVERY_S`) it
+        then purges expired start marks, in a transaction of its own; a purge
+        that fails is logged and does not fail the take.
         """
         if limit <= 0:
             return []
@@ -554,21 +390,12 @@ class PostgresDelayedStore(DelayedStore):
         with self._write("take due delayed tasks") as conn:
             rows = conn.execute(self._take, params).all()
         taken = [
-            Taken(
-                ParkedTask(
-                    id=row.id,
-                    key=row.key,
-                    task=row.task,
-                    due_ms=int(row.was_ready_ms),
-                    state=IN_FLIGHT,
-                    payload=row.payload,
-                    attempts=int(row.attempts),
-                    error=row.error,
-                    token=int(row.token),
-                ),
-                token=int(row.token),
-                taken_over=int(row.was_token) != 0,
-                now_ms=int(row.now_ms),
+            row_taken(
+                row,
+                token=row.token,
+                was_token=row.was_token,
+                was_ready_ms=row.was_ready_ms,
+                now_ms=row.now_ms,
             )
             for row in rows
         ]
@@ -636,32 +463,7 @@ class PostgresDelayedStore(DelayedStore):
         with self._write("mark a delayed task started") as conn:
             return bool(conn.execute(stmt, execution_options=options).rowcount == 1)
 
-    def _purge_started(self) -> None:
-        """Delete up to :data:`PURGE_BATCH` expired start marks, at most
-        every :data:`PURGE_EVERY_S` seconds (sooner while a purge finds a
-        full batch)."""
-        if time.monotonic() < self._purge_after:
-            return
-        s = self._tables.started
-        expired = s.alias("expired")
-        now = sa.literal_column(NOW_SQL, sa.BigInteger)
-        stmt = sa.delete(s).where(
-            s.c.id.in_(
-                sa.select(expired.c.id).where(expired.c.keep_until_ms <= now).limit(PURGE_BATCH)
-            )
-        )
-        purged = 0
-        try:
-            with self._write("purge delayed start marks") as conn:
-                purged = conn.execute(stmt).rowcount
-        except BackendUnavailable as exc:
-            logger.warning("anarchon: purging expired start marks failed: %s", exc)
-        self._purge_after = time.monotonic() + (0.0 if purged >= PURGE_BATCH else PURGE_EVERY_S)
-
     # -- push ----------------------------------------------------------------------
-
-    def close(self) -> None:
-        self.backend.close()
 
     def listener(self) -> Listener:
         """A ``LISTEN`` on :attr:`channel`, on a psycopg connection of its own
@@ -743,33 +545,3 @@ class _PostgresListener(Listener):
         if conn is not None:
             with suppress(Exception):  # the connection is gone already
                 conn.close()
-
-
-def _chunks(tasks: list[Parked]) -> Iterator[list[Parked]]:
-    """``tasks`` in runs of at most :data:`INSERT_ROWS` rows and
-    :data:`INSERT_BYTES` payload characters (a single larger task alone)."""
-    chunk: list[Parked] = []
-    size = 0
-    for task in tasks:
-        if chunk and (len(chunk) >= INSERT_ROWS or size + len(task.payload) > INSERT_BYTES):
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(task)
-        size += len(task.payload)
-    if chunk:
-        yield chunk
-
-
-def _task(row: Any) -> ParkedTask:
-    token = int(row.token)
-    return ParkedTask(
-        id=row.id,
-        key=row.key,
-        task=row.task,
-        due_ms=int(row.ready_ms),
-        state=IN_FLIGHT if token else PENDING,
-        payload=row.payload,
-        attempts=int(row.attempts),
-        error=row.error,
-        token=token,
-    )

@@ -22,6 +22,9 @@ class DelayedSettings:
     """The delayed tasks' settings, read once.
 
     Attributes:
+        backend: the URL of the backend that keeps parked tasks
+            (``anarchon_delayed_backend``), or None: the claim backend
+            (``anarchon_backend``) keeps them.
         release: whether beat runs a releaser (``anarchon_delayed_release``,
             default True where the backend has a delayed store).
         lease_s: how long a releaser holds what it took before another may
@@ -41,6 +44,7 @@ class DelayedSettings:
             seconds (``anarchon_delayed_dedupe_ttl``, 7 days).
     """
 
+    backend: str | None = None
     release: bool = True
     lease_s: float = 30.0
     batch: int = 1000
@@ -80,6 +84,7 @@ class DelayedSettings:
             return value
 
         return cls(
+            backend=_backend_url(conf.get("anarchon_delayed_backend")),
             release=flag(get("release", True), setting="anarchon_delayed_release"),
             lease_s=positive("lease", 30.0),
             batch=count("batch", 1000, 1),
@@ -89,3 +94,21 @@ class DelayedSettings:
             stuck_retry_s=positive("stuck_retry", 300.0),
             dedupe_ttl_s=positive("dedupe_ttl", 7 * 86400.0),
         )
+
+
+def _backend_url(value: Any) -> str | None:
+    """``anarchon_delayed_backend``: None (or empty: the claim backend), or a
+    backend URL.
+
+    Raises:
+        ConfigurationError: anything but a string.
+    """
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise ConfigurationError(
+            f"anarchon_delayed_backend must be a backend URL (a string such as "
+            f"'redis://host:6379/0' or 'postgresql://user@host/db'), got "
+            f"{type(value).__name__}."
+        )
+    return value.strip()

@@ -4,7 +4,8 @@ A store keeps parked tasks (:class:`~celery_anarchon.delayed.model.Parked`)
 by due time and lets any number of releasers take the due ones under a
 lease, exactly as docs/delayed-tasks.md describes. Every method is one
 atomic step in the backend; "due" is judged by the backend's clock (Redis
-``TIME``, PostgreSQL ``clock_timestamp()``), never the caller's.
+``TIME``, PostgreSQL ``clock_timestamp()``, MySQL ``UTC_TIMESTAMP(6)``;
+SQLite, which serves one host, that host's), never the caller's.
 
 Raises, for every method: :class:`~celery_anarchon.exceptions.BackendUnavailable`
 when the backend cannot be reached or does not answer in time.
@@ -23,7 +24,8 @@ __all__ = ["DelayedStore", "Listener"]
 
 class Listener(abc.ABC):
     """The backend's push, on a connection of its own: Redis pub/sub, or
-    PostgreSQL ``LISTEN``."""
+    PostgreSQL ``LISTEN``; MySQL and SQLite have none, and their listener
+    hears only the parks of its own process."""
 
     @abc.abstractmethod
     def wait(self, timeout_s: float) -> bool:
@@ -39,7 +41,8 @@ class Listener(abc.ABC):
 class DelayedStore(abc.ABC):
     """Parked tasks in one backend namespace."""
 
-    #: the store's kind for messages and metrics: ``redis``, ``postgresql``
+    #: the store's kind for messages and metrics: ``redis``, ``postgresql``,
+    #: ``mysql``, ``sqlite``
     kind: str = ""
 
     @abc.abstractmethod

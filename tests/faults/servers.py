@@ -1,6 +1,6 @@
 """What the harness puts between the beats and a service, or runs itself:
 a TCP proxy on loopback that cuts, delays and stalls, and Redis,
-PostgreSQL and RabbitMQ servers on spare ports that a scenario can crash
+PostgreSQL, MariaDB and RabbitMQ servers on spare ports that a scenario can crash
 and restart (never the machine's shared services).
 
 Everything listens on 127.0.0.1 only, every thread and process stops on
@@ -282,6 +282,78 @@ class PostgresServer:
             capture_output=True,
             timeout=90,
         )
+
+
+class MariaDBServer:
+    """A MariaDB server of the harness's own on a spare port, with a data
+    directory and socket of its own and a database ``test`` (no grant
+    tables: any user name logs in, as root does on the shared server).
+    :meth:`crash` kills it (-9: InnoDB recovers from its redo log, flushed
+    at every commit by default); :meth:`start` brings it back on the same
+    port and data."""
+
+    def __init__(self, folder: Path) -> None:
+        self.root = folder / "mariadb"
+        self.data = self.root / "data"
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @staticmethod
+    def available() -> bool:
+        return all(shutil.which(name) for name in ("mariadbd", "mariadb-install-db"))
+
+    def __enter__(self) -> MariaDBServer:
+        self.root.mkdir(parents=True)
+        subprocess.run(
+            [
+                "mariadb-install-db",
+                "--no-defaults",
+                f"--datadir={self.data}",
+                "--user=root",
+                "--auth-root-authentication-method=normal",
+                "--skip-test-db",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=90,
+        )
+        self.start()
+        import pymysql
+
+        conn = pymysql.connect(host="127.0.0.1", port=self.port, user="root", connect_timeout=5)
+        try:
+            conn.cursor().execute("CREATE DATABASE IF NOT EXISTS test")
+        finally:
+            conn.close()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.crash()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def start(self) -> None:
+        args = [
+            shutil.which("mariadbd") or "mariadbd",
+            "--no-defaults",
+            f"--datadir={self.data}",
+            f"--port={self.port}",
+            "--bind-address=127.0.0.1",
+            f"--socket={self.root / 'mariadb.sock'}",
+            f"--pid-file={self.root / 'mariadb.pid'}",
+            f"--log-error={self.root / 'mariadb.log'}",
+            "--user=root",
+            "--skip-grant-tables",
+            "--innodb-buffer-pool-size=32M",
+        ]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if not wait_until(lambda: port_open(self.port), 60):
+            raise RuntimeError(f"mariadbd on port {self.port} did not start")
+
+    def crash(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
 
 
 def _pg_bin() -> str | None:

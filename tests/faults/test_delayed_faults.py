@@ -31,8 +31,8 @@ undeleted batch.
 Faults: ``kill -9`` of the releasers holding a burst of 2,000 (one restarted);
 SIGSTOP of one past the lease, then SIGCONT; a crash and restart of the
 store's server (a redis-server of the test's own with ``appendfsync
-always``; a PostgreSQL cluster of the test's own, as the campaign's
-"backend restart" does: the shared services are never touched); a broker
+always``; a PostgreSQL cluster or a MariaDB server of the test's own, as the
+campaign's "backend restart" does: the shared services are never touched); a broker
 outage (a redis-server of the test's own as Celery's broker) while tasks
 come due. Rows that fail because of a defect found here and reported are
 expected failures of that one kind (:class:`DuplicateExecutions`,
@@ -67,7 +67,7 @@ from ..beat_app import FINISH_DELAY
 from ..beats import BROKER, BeatCluster
 from ..conftest import require_service
 from .harness import backend_url, drain, drop_backend_data, drop_broker_keys, wait_until
-from .servers import PostgresServer, RedisServer
+from .servers import MariaDBServer, PostgresServer, RedisServer
 
 pytestmark = [
     pytest.mark.faults,
@@ -148,7 +148,7 @@ class DelayedRun:
     removes the run's queues, keys and tables.
 
     Args:
-        backend: ``redis`` or ``postgresql``.
+        backend: ``redis``, ``postgresql``, ``mysql`` or ``sqlite``.
         folder: scratch folder (logs, the stamp file).
         backend_port: the port of a store server of the test's own.
         broker: Celery's broker (default the shared Redis, db 1).
@@ -453,15 +453,26 @@ def pause(seconds: float) -> None:
     time.sleep(max(0.0, seconds))
 
 
-def own_server(backend: str, folder: Path) -> RedisServer | PostgresServer:
+def own_server(backend: str, folder: Path) -> RedisServer | PostgresServer | MariaDBServer:
     if backend == "redis":
         return RedisServer(folder)
+    if backend == "mysql":
+        if not MariaDBServer.available():
+            pytest.skip("MariaDB binaries (mariadbd, mariadb-install-db) are not installed")
+        return MariaDBServer(folder)
     if not PostgresServer.available():
         pytest.skip("PostgreSQL binaries (initdb, pg_ctl) or su are not installed")
     return PostgresServer(folder)
 
 
 BOTH = pytest.mark.parametrize("store", ["redis", "postgresql"], indirect=True)
+#: The kill -9 and SIGSTOP rows run on every store, the store restart on
+#: every server store (a server of the test's own: the shared ones are never
+#: restarted).
+EVERY_STORE = pytest.mark.parametrize(
+    "store", ["redis", "postgresql", "mysql", "sqlite"], indirect=True
+)
+SERVER_STORES = pytest.mark.parametrize("store", ["redis", "postgresql", "mysql"], indirect=True)
 
 #: A batch at least this large is (part of) a row's burst: the spread ones
 #: come due about 50 a second. Concurrent takers share a burst (PostgreSQL's
@@ -477,7 +488,7 @@ def published_last(run: DelayedRun, proc: subprocess.Popen[bytes]) -> int:
 # -- the rows ----------------------------------------------------------------------
 
 
-@BOTH
+@EVERY_STORE
 def test_kill_9_of_releasers_mid_release(store: str, tmp_path: Path) -> None:
     """300 tasks due over 6 s and a burst of 2,000 due at once; the beats
     holding the burst (published, not yet deleted) are killed with SIGKILL,
@@ -505,7 +516,7 @@ def test_kill_9_of_releasers_mid_release(store: str, tmp_path: Path) -> None:
     assert row.dup_published >= sum(held), "the killed batches were not published again"
 
 
-@BOTH
+@EVERY_STORE
 def test_sigstop_of_a_releaser_past_its_lease(store: str, tmp_path: Path) -> None:
     """300 tasks due over 6 s and a burst of 500 (one batch); the beat holding the
     burst is frozen (SIGSTOP) for two leases and more, then thawed: the
@@ -529,12 +540,12 @@ def test_sigstop_of_a_releaser_past_its_lease(store: str, tmp_path: Path) -> Non
     assert row.dup_published >= held, "the frozen batch was not taken over"
 
 
-@BOTH
+@SERVER_STORES
 def test_store_restart_with_tasks_pending_and_in_flight(store: str, tmp_path: Path) -> None:
     """300 tasks due over 8 s and a burst of 500; when a beat holds a
     batch (published, not deleted) the store's server is crashed (Redis:
     SIGKILL, append-only file fsync'd always; PostgreSQL: ``pg_ctl stop -m
-    immediate``) and started again 3 s later: nothing parked is lost, what
+    immediate``; MariaDB: SIGKILL) and started again 3 s later: nothing parked is lost, what
     could not be deleted is published again after its lease."""
     server = own_server(store, tmp_path)
     with server, DelayedRun(store, tmp_path, backend_port=server.port) as run:
