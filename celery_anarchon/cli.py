@@ -12,6 +12,7 @@ anarchon --help`` lists the commands::
     celery -A proj anarchon add NAME ...      # store a job (celery_anarchon.cli_schedules)
     celery -A proj anarchon pause NAME        # also update, remove, resume
     celery -A proj anarchon delayed list      # parked tasks (celery_anarchon.cli_delayed)
+    celery -A proj anarchon web               # the operator web page (celery_anarchon.web)
 
 Every command prints human-readable text by default and one JSON object with
 ``--json``. Credentials in URLs are always masked.
@@ -39,7 +40,7 @@ Exit codes (the same for every command):
       the ``beat_schedule`` entries before it exits 3).
 4     The app's configuration cannot be loaded (a bad setting or
       schedule); ``check`` lists every problem. For ``delayed``, also a
-      backend that keeps no delayed tasks (only Redis and PostgreSQL do).
+      backend that keeps no delayed tasks (RabbitMQ).
 ====  ==================================================================
 """
 
@@ -49,17 +50,15 @@ import difflib
 import json
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
-from datetime import datetime, timezone, tzinfo
+from dataclasses import asdict, replace
 from typing import Any
 from zoneinfo import ZoneInfo
 
 import click
 
-from .backends import sanitize_url
-from .backends.base import Backend, InstanceInfo, LeaseBackend, RunRecord
-from .beat.registry import HEARTBEAT_INTERVAL, schedule_fingerprint
-from .checks import CheckResult, Probe, has_clock, one_line, probe_backend, run_check
+from .backends.base import RunRecord
+from .beat.registry import schedule_fingerprint
+from .checks import CheckResult, has_clock, one_line, probe_backend, run_check
 from .cli_common import (
     EXIT_CONFIG,
     EXIT_OK,
@@ -77,8 +76,18 @@ from .cli_schedules import COMMANDS as SCHEDULE_COMMANDS
 from .control import Control
 from .exceptions import BackendUnavailable, ConfigurationError
 from .importers.cli import import_group
-from .model import Job, app_zone
-from .slots import BoundedSlots, CronSlots, IntervalSlots, Slots
+from .model import app_zone
+from .reports import StatusReport as _Status
+from .reports import after_slot as _after
+from .reports import check_instances as _check_instances
+from .reports import describe_job as _describe_job
+from .reports import record_note as _note
+from .reports import run_counts as _run_counts
+from .reports import seconds_text as _seconds
+from .reports import signed_s as _signed
+from .reports import utc as _utc
+from .reports import zone_name as _zone_name
+from .web.command import web as web_command
 
 __all__ = [
     "anarchon",
@@ -89,12 +98,6 @@ __all__ = [
     "EXIT_CONFIG",
 ]
 
-#: How many upcoming slots ``jobs`` shows per job.
-NEXT_SLOTS = 3
-
-#: A heartbeat older than this is reported as stale by ``status``, seconds.
-STALE_HEARTBEAT_S = 3 * HEARTBEAT_INTERVAL
-
 
 def _control(ctx: click.Context) -> Control:
     """A :class:`Control` over the app (builds the backend, connects nothing)."""
@@ -104,43 +107,6 @@ def _control(ctx: click.Context) -> Control:
 # -- formatting ----------------------------------------------------------------
 
 
-def _utc(ms: int | None) -> str:
-    """``2026-06-01T12:00:00Z`` (milliseconds only when there are some)."""
-    if ms is None:
-        return "-"
-    spec = "milliseconds" if ms % 1000 else "seconds"
-    stamp = datetime.fromtimestamp(ms / 1000, timezone.utc).replace(tzinfo=None)
-    return stamp.isoformat(timespec=spec) + "Z"
-
-
-def _local(ms: int, zone: tzinfo) -> str:
-    """``2026-06-01 14:00:00 CEST``: ``ms`` on the wall clock of ``zone``."""
-    stamp = datetime.fromtimestamp(ms / 1000, zone)
-    text = stamp.strftime("%Y-%m-%d %H:%M:%S")
-    if ms % 1000:
-        text += f".{ms % 1000:03d}"
-    return f"{text} {stamp.tzname()}"
-
-
-def _after(ms: int | None, slot_ms: int) -> str:
-    """``+1.234s``: ``ms`` relative to the slot, or ``-``."""
-    return "-" if ms is None else _signed(ms - slot_ms)
-
-
-def _signed(ms: float) -> str:
-    """``+1.234s``: milliseconds as signed seconds (never ``-0.000s``)."""
-    return f"{round(ms / 1000, 3) + 0.0:+.3f}s"
-
-
-def _seconds(value: float) -> str:
-    """``2s``, ``0.5s``, ``7d``: a duration in seconds, short."""
-    if value >= 86400 and value % 86400 == 0:
-        return f"{value / 86400:g}d"
-    if value >= 3600 and value % 3600 == 0:
-        return f"{value / 3600:g}h"
-    return f"{value:g}s"
-
-
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """Left-aligned columns separated by two spaces."""
     widths = [max([len(h)] + [len(row[i]) for row in rows]) for i, h in enumerate(headers)]
@@ -148,10 +114,6 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(
         "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(line)).rstrip() for line in lines
     )
-
-
-def _zone_name(zone: tzinfo) -> str:
-    return str(getattr(zone, "key", None) or zone)
 
 
 # -- the group -------------------------------------------------------------------
@@ -301,91 +263,6 @@ def _paused_text(item: Mapping[str, Any]) -> str:
     return f"yes: {item['pause_note']}" if item["pause_note"] else "yes"
 
 
-def _run_counts(control: Control, found: Mapping[str, Job]) -> dict[str, int]:
-    """Runs counted toward each run limit (one backend call for all)."""
-    limited = [name for name, job in found.items() if job.options.max_runs is not None]
-    backend = control.backend
-    if not limited or not isinstance(backend, LeaseBackend) or not backend.exists():
-        return {}
-    return backend.won_counts(limited)
-
-
-def _finished(job: Job, now_ms: int, runs: int | None) -> str | None:
-    """Why ``job`` is finished (its run limit reached, its ``end_at``
-    passed), or None."""
-    o = job.options
-    if o.max_runs is not None and runs is not None and runs >= o.max_runs:
-        return f"max_runs={o.max_runs} reached"
-    if o.end_at_ms is not None and o.end_at_ms < now_ms and job.slots.next_after(now_ms) is None:
-        return f"end_at {_utc(o.end_at_ms)} passed"
-    return None
-
-
-def _describe_job(
-    job: Job,
-    backend: Backend,
-    app_zone_: ZoneInfo,
-    now_ms: int,
-    last: RunRecord | None,
-    runs: int | None = None,
-) -> dict[str, Any]:
-    # Bounds and a stored job's effective time wrap the schedule: show the schedule.
-    schedule = job.slots
-    while isinstance(schedule, BoundedSlots):
-        schedule = schedule.inner
-    finished = _finished(job, now_ms, runs)
-    zone: tzinfo = getattr(schedule, "zone", None) or app_zone_
-    slots: list[int] = []
-    slot = None if finished else job.slots.next_after(now_ms)
-    while slot is not None and len(slots) < NEXT_SLOTS:
-        slots.append(slot)
-        slot = job.slots.next_after(slot)
-    paused = job.pause is not None and job.pause.paused
-    described: dict[str, Any] = {
-        "name": job.name,
-        "source": job.source,
-        "version": job.version,
-        "paused": paused,
-        "pause_note": job.pause.note if paused and job.pause is not None else None,
-        "task": job.entry.task,
-        "schedule": _schedule_text(schedule),
-        "zone": _zone_name(zone),
-        "next": [{"slot_ms": s, "utc": _utc(s), "local": _local(s, zone)} for s in slots],
-        "last_state": None if last is None else last.state.value,
-        "last_slot_ms": None if last is None else last.slot_ms,
-        "finished": finished,
-        "runs": runs,
-        "options": job.options.as_dict(),
-        "definition": job.definition,
-    }
-    gate_queue = getattr(backend, "gate_queue", None)
-    if gate_queue is not None and slots:
-        described["gate_queue"] = gate_queue(job.name, slots[0])
-    return described
-
-
-def _schedule_text(slots: Slots) -> str:
-    """The schedule as ``jobs`` shows it: an interval in days or hours with
-    the weekday and time its anchor puts the slots on (the Unix epoch, a
-    Thursday 00:00 UTC, unless an anchor is set); a cron with a seconds
-    field named as such (POSIX cron has five fields)."""
-    if isinstance(slots, IntervalSlots):
-        interval_s = slots.interval_ms / 1000
-        anchor = datetime.fromtimestamp(slots.anchor_ms / 1000, timezone.utc)
-        at = anchor.strftime("%H:%M") + (anchor.strftime(":%S") if anchor.second else "")
-        if interval_s == 7 * 86400:
-            on = f"{anchor.strftime('%A')}s {at} UTC"
-        elif interval_s % 86400 == 0:
-            on = f"days at {at} UTC from {anchor.strftime('%A')}"
-        else:
-            return f"every {_seconds(interval_s)} (anchor {_utc(slots.anchor_ms)})"
-        return f"every {_seconds(interval_s)}: {on} (anchor {_utc(slots.anchor_ms)})"
-    if isinstance(slots, CronSlots) and len(slots.expr.split()) == 6 and slots.day_or:
-        zone = _zone_name(slots.zone)
-        return f"{slots.kind} '{slots.expr}' (with seconds; day-of-month OR day-of-week) {zone}"
-    return slots.describe()
-
-
 def _options_text(options: Mapping[str, Any]) -> str:
     parts = [
         f"jitter={_seconds(options['jitter'])}",
@@ -470,15 +347,6 @@ def history(ctx: click.Context, job: str, limit: int, as_json: bool) -> None:
         ]
         headers = ["SLOT (UTC)", "STATE", "INSTANCE", "CLAIMED", "SENT", "STARTED", "FINISHED"]
         click.echo(_table([*headers, "TASK ID", "NOTE"], rows))
-
-
-def _note(record: RunRecord) -> str:
-    parts = []
-    if record.manual_key is not None:
-        parts.append(f"run-now key={record.manual_key}")
-    if record.error:
-        parts.append(sanitize_url(record.error))
-    return "; ".join(parts) or "-"
 
 
 def _record_json(record: RunRecord) -> dict[str, Any]:
@@ -593,20 +461,6 @@ def run_now(ctx: click.Context, job: str, key: str | None, as_json: bool) -> Non
 # -- status ------------------------------------------------------------------------
 
 
-@dataclass
-class _Status:
-    backend: str
-    supports_leases: bool
-    backend_clock: bool
-    max_skew_s: float
-    probe: Probe
-    local_fingerprint: str
-    instances: list[dict[str, Any]] = field(default_factory=list)
-    drift: list[dict[str, Any]] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-
 @anarchon.command()
 @json_option
 @click.pass_context
@@ -671,50 +525,6 @@ def _app_option(ctx: click.Context, app: Any) -> str:
     else the app's name."""
     given = ctx.find_root().params.get("app")
     return given if isinstance(given, str) and given else str(app.main or "proj")
-
-
-def _check_instances(
-    report: _Status, live: Sequence[InstanceInfo], now_ms: int, app_name: str
-) -> None:
-    skew_ms = report.max_skew_s * 1000
-    for info in live:
-        offset = (
-            info.clock_ms - info.heartbeat_ms
-            if report.backend_clock and info.clock_ms is not None
-            else None
-        )
-        age_ms = max(now_ms - info.heartbeat_ms, 0)
-        report.instances.append({**asdict(info), "offset_ms": offset, "heartbeat_age_ms": age_ms})
-        if offset is not None and abs(offset) > skew_ms:
-            report.warnings.append(
-                f"instance {info.instance}: clock {offset / 1000:+.1f}s off the backend's, more "
-                f"than anarchon_max_skew={report.max_skew_s:g}s; its claims are refused or "
-                "judged late. Sync its clock (NTP)."
-            )
-        if age_ms > STALE_HEARTBEAT_S * 1000:
-            report.warnings.append(
-                f"instance {info.instance}: last heartbeat {age_ms / 1000:.0f}s ago (every "
-                f"{HEARTBEAT_INTERVAL:g}s expected): frozen or stopped?"
-            )
-        if info.fingerprint != report.local_fingerprint:
-            report.notes.append(
-                f"instance {info.instance} runs another schedule (fingerprint "
-                f"{info.fingerprint}) than this app's ({report.local_fingerprint})"
-            )
-    if not live:
-        report.warnings.append(
-            "no live instance in the registry: no slot is being sent. Start "
-            f"`celery -A {app_name} beat -S celery_anarchon.Scheduler` on at least one host."
-        )
-    names = sorted({name for info in live for name in info.jobs})
-    for name in names:
-        definitions = {info.instance: info.jobs.get(name) for info in live}
-        if len(set(definitions.values())) > 1:
-            report.drift.append({"job": name, "definitions": definitions})
-            report.warnings.append(
-                f"job {name!r} is defined differently on the live instances (a rolling "
-                "deploy, or hosts with different code)"
-            )
 
 
 def _print_status(report: _Status) -> None:
@@ -813,6 +623,8 @@ def _print_check(result: CheckResult, connect: bool) -> None:
     else:
         backend = f"{result.backend} (not connected)"
     click.echo(f"checked {result.jobs} valid job(s); backend {backend}")
+    if result.delayed_backend is not None:
+        click.echo(f"delayed tasks kept in {result.delayed_backend}")
     for problem in result.problems:
         click.echo(f"ERROR    {problem['message']}")
     for warning in result.warnings:
@@ -835,3 +647,7 @@ anarchon.add_command(import_group)
 # -- delayed list | show | cancel | reschedule | count (celery_anarchon.cli_delayed) --
 
 anarchon.add_command(delayed_group)
+
+# -- web: the operator web page (celery_anarchon.web; Flask and waitress from [web]) --
+
+anarchon.add_command(web_command)

@@ -161,6 +161,17 @@ class Control:
             self._jobs = self._read_jobs()
         return self._jobs
 
+    def read_jobs(self) -> dict[str, Job]:
+        """:attr:`jobs` read again from the backend, for a long-lived
+        caller (the web page) that must see stored jobs and pauses changed
+        since its last read; :attr:`jobs` answers this read from then on.
+
+        Raises:
+            BackendUnavailable: as :attr:`jobs`.
+        """
+        self._jobs = self._read_jobs()
+        return self._jobs
+
     def _read_jobs(self) -> dict[str, Job]:
         jobs = dict(self.code_jobs)
         if not self.keeps_stored_jobs or (not self._opened and not self.backend.exists()):

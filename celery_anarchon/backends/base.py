@@ -13,6 +13,7 @@ implements. It is small, batched, and each call is atomic on the backend:
   for slots nobody acted on;
 * :meth:`Backend.history`, :meth:`Backend.last_run`,
   :meth:`Backend.last_slots` -- read per-job history;
+  :meth:`Backend.history_many` -- the history of many jobs at once;
 * :meth:`Backend.claim_manual` -- the claim behind ``run_now``;
 * :meth:`Backend.register` and the other registry calls -- the live
   instances.
@@ -524,6 +525,35 @@ class Backend(abc.ABC):
         Raises:
             BackendUnavailable: no answer.
         """
+
+    def history_many(
+        self, jobs: Sequence[str], limit: int | None = None, *, since_ms: int | None = None
+    ) -> dict[str, list[RunRecord]]:
+        """:meth:`history` of many jobs in as few round trips as the backend
+        allows (an operator's page of jobs, the last hour's totals): each
+        job's records newest slot first, at most ``limit`` per job (all kept
+        records when None), only those with ``slot_ms >= since_ms`` (epoch
+        ms, UTC) when given.
+
+        The default reads each job with :meth:`history` (one round trip per
+        job); the SQL and Redis backends override it with one query or one
+        pipeline per chunk of jobs.
+
+        Returns:
+            ``{job: records}`` with every job of ``jobs`` as a key (an empty
+            list for a job without records), in the order of ``jobs``.
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        found: dict[str, list[RunRecord]] = {}
+        for job in jobs:
+            if job in found:
+                continue
+            records = self.history(job, None if since_ms is not None else limit)
+            if since_ms is not None:
+                records = [r for r in records if r.slot_ms >= since_ms][:limit]
+            found[job] = records
+        return found
 
     def last_run(self, job: str) -> RunRecord | None:
         """The newest record of a run that was really sent (state ``sent``,

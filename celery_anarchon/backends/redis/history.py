@@ -81,6 +81,37 @@ class RedisHistory(RedisConnection):
         raw = self._call((HISTORY, [f"{tag}:runs", f"{tag}:index"], [limit or 0]))
         return [record for record in (_record_or_none(job, item) for item in raw) if record]
 
+    def history_many(
+        self, jobs: Sequence[str], limit: int | None = None, *, since_ms: int | None = None
+    ) -> dict[str, list[RunRecord]]:
+        """:meth:`history` of many jobs: :data:`LUA_HISTORY_SCRIPT` per job,
+        in pipelines of :data:`LAST_SLOTS_CHUNK` calls; with ``since_ms``
+        each job's kept records are read and the older ones dropped here
+        (see :meth:`Backend.history_many`).
+
+        Raises:
+            BackendUnavailable: no answer, or an error reply.
+        """
+        found: dict[str, list[RunRecord]] = {job: [] for job in jobs}
+        if limit is not None and limit <= 0:
+            return found
+        names = list(found)
+        count = 0 if since_ms is not None or limit is None else limit
+        for start in range(0, len(names), LAST_SLOTS_CHUNK):
+            chunk = names[start : start + LAST_SLOTS_CHUNK]
+            calls: list[_Call] = []
+            for job in chunk:
+                tag = self._tag(job)
+                calls.append((HISTORY, [f"{tag}:runs", f"{tag}:index"], [count]))
+            for job, reply in zip(chunk, self._run(calls), strict=True):
+                if isinstance(reply, Exception):
+                    raise self._unavailable("history_many", reply) from reply
+                records = [r for r in (_record_or_none(job, item) for item in reply) if r]
+                if since_ms is not None:
+                    records = [r for r in records if r.slot_ms >= since_ms][:limit]
+                found[job] = records
+        return found
+
     def last_slots(self, jobs: Sequence[str]) -> dict[str, int]:
         """``job -> newest scheduled slot with a record`` for each of
         ``jobs`` that has one: :data:`LUA_LAST_SLOT_SCRIPT` per job, in

@@ -1,0 +1,480 @@
+"""The operator web app: a Flask (WSGI) app over the control API.
+
+:func:`create_app` builds it for one Celery app. The pages only read; the
+actions (run-now, pause, resume; add, edit, remove of stored jobs) are off
+unless ``allow_actions``, and then need the operator's token (the
+``anarchon_web_token`` setting or the ``ANARCHON_WEB_TOKEN`` environment
+variable), given once on the sign-in page and kept in a signed session
+cookie, and a CSRF token in every form post. A refused action answers 403
+and changes nothing. docs/web.md describes the pages and the protection.
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from flask import Flask, flash, redirect, render_template, request, session, url_for
+from werkzeug.wrappers import Response
+
+from ..backends import sanitize_url
+from ..checks import one_line
+from ..cli_common import Fail
+from ..cli_schedules import _json_option, _schedule
+from ..control import Control
+from ..exceptions import AnarchonError, BackendMissing, BackendUnavailable, ConfigurationError
+from ..schedules import Schedules
+from .pages import (
+    FILTERS,
+    SORTS,
+    JobsQuery,
+    cluster_page,
+    delayed_page,
+    job_page,
+    jobs_page,
+    now_text,
+)
+
+__all__ = ["TOKEN_ENV", "TOKEN_SETTING", "create_app", "web_token"]
+
+#: What a page shows as a banner instead of its data: the backend does not
+#: answer, (SQLite) its file does not exist yet, or it is reachable but
+#: refuses to be used as configured (Redis credentials, eviction policy).
+_UNUSABLE = (BackendUnavailable, BackendMissing, ConfigurationError)
+
+logger = logging.getLogger(__name__)
+
+#: Where the operator's token is read from: the setting, then the environment.
+TOKEN_SETTING = "anarchon_web_token"
+TOKEN_ENV = "ANARCHON_WEB_TOKEN"
+
+#: The refresh interval a page starts with, and the choices, seconds (0: off).
+REFRESH_S = 10
+REFRESH_CHOICES = (0, 2, 5, 10, 30, 60)
+
+
+def web_token(celery_app: Any) -> str | None:
+    """The operator's token: the ``anarchon_web_token`` setting, else the
+    ``ANARCHON_WEB_TOKEN`` environment variable, else None (empty counts
+    as unset)."""
+    value = celery_app.conf.get(TOKEN_SETTING) or os.environ.get(TOKEN_ENV) or None
+    return str(value) if value else None
+
+
+class _Shared:
+    """The one Control (and Schedules) a web app reads through, opened
+    once and shared by the server's threads."""
+
+    def __init__(self, celery_app: Any, schedule_filename: str | None) -> None:
+        self.celery_app = celery_app
+        self.control = Control(celery_app, schedule_filename=schedule_filename)
+        self.lock = threading.Lock()
+        self._schedules: Schedules | None = None
+        #: How long opening the backend took, milliseconds (None: not open yet).
+        self.connect_ms: float | None = None
+
+    def ready(self) -> float:
+        """Open the backend once, for every thread (a reading page never
+        creates a SQLite file: it must exist); how long opening took, ms.
+
+        Raises:
+            BackendMissing: the SQLite file does not exist yet.
+            BackendUnavailable: the backend does not answer (tried again
+                at the next request).
+        """
+        with self.lock:
+            if self.connect_ms is None:
+                self.control.require_backend()
+                started = time.perf_counter()
+                self.control.backend.open()
+                self.connect_ms = (time.perf_counter() - started) * 1000
+            return self.connect_ms
+
+    @property
+    def schedules(self) -> Schedules:
+        """The stored-jobs API over the same backend.
+
+        Raises:
+            StoredJobsRefused: the backend keeps no stored jobs (RabbitMQ).
+        """
+        if self._schedules is None:
+            self._schedules = Schedules(self.celery_app, backend=self.control.backend)
+        return self._schedules
+
+
+def create_app(
+    celery_app: Any,
+    *,
+    allow_actions: bool = False,
+    token: str | None = None,
+    schedule_filename: str | None = None,
+) -> Flask:
+    """The operator web app for ``celery_app``, as a Flask (WSGI) app.
+
+    Args:
+        celery_app: the Celery app beat runs with (its ``beat_schedule`` and
+            ``anarchon_*`` settings).
+        allow_actions: enable run-now, pause, resume, and add, edit, remove
+            of stored jobs.
+        token: the operator's token; default :func:`web_token`.
+        schedule_filename: beat's ``-s`` file (default SQLite backend only).
+    Returns:
+        the Flask app; mount it anywhere a WSGI app goes (docs/web.md).
+    Raises:
+        ConfigurationError: ``allow_actions`` without a token, or a bad
+            setting (as beat would refuse).
+    """
+    token = token or web_token(celery_app)
+    if allow_actions and not token:
+        raise ConfigurationError(
+            f"the web page's actions need a token: set {TOKEN_SETTING} in the app's "
+            f"configuration or the {TOKEN_ENV} environment variable, e.g. "
+            f"{TOKEN_ENV}=$(python -c 'import secrets; print(secrets.token_urlsafe())')."
+        )
+    shared = _Shared(celery_app, schedule_filename)
+    app = Flask(__name__)
+    app.secret_key = secrets.token_bytes(32)
+    app.config.update(
+        SESSION_COOKIE_HTTPONLY=True,
+        SESSION_COOKIE_SAMESITE="Strict",
+        SESSION_COOKIE_NAME="anarchon_session",
+    )
+    app.extensions["anarchon"] = shared
+    app_name = str(celery_app.main or "proj")
+
+    def signed_in() -> bool:
+        return bool(allow_actions and token and session.get("signed_in") == _digest(token))
+
+    def csrf_token() -> str:
+        value = session.get("csrf")
+        if not isinstance(value, str):
+            value = secrets.token_urlsafe(32)
+            session["csrf"] = value
+        return value
+
+    @app.context_processor
+    def _globals() -> dict[str, Any]:
+        return {
+            "allow_actions": allow_actions,
+            "signed_in": signed_in(),
+            "csrf_token": csrf_token,
+            "refresh_s": REFRESH_S,
+            "refresh_choices": REFRESH_CHOICES,
+            "backend_name": sanitize_url(shared.control.backend.describe()),
+            "now_text": now_text,
+        }
+
+    @app.after_request
+    def _headers(response: Response) -> Response:
+        # Scripts and styles from this app only, no inline script (the page
+        # has none: a markup that slipped through escaping would not run),
+        # never in a frame (the action buttons cannot be clicked through
+        # another site's page).
+        response.headers.setdefault(
+            "Content-Security-Policy",
+            "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+            "object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
+        )
+        response.headers.setdefault("X-Content-Type-Options", "nosniff")
+        response.headers.setdefault("X-Frame-Options", "DENY")
+        response.headers.setdefault("Referrer-Policy", "same-origin")
+        return response
+
+    def refuse(why: str) -> Response:
+        logger.warning(
+            "anarchon web: refused %s %s from %s: %s",
+            request.method,
+            request.path,
+            request.remote_addr,
+            why,
+        )
+        body = render_template("refused.html", why=why)
+        return Response(body, status=403, mimetype="text/html")
+
+    def guarded(action: Callable[..., Response]) -> Callable[..., Response]:
+        """An action view: 403 unless actions are on, the session is signed
+        in, and the form's CSRF token is the session's."""
+
+        @functools.wraps(action)
+        def view(**kwargs: Any) -> Response:
+            if not allow_actions:
+                return refuse("actions are off (start the page with --allow-actions)")
+            if not signed_in():
+                return refuse("not signed in: give the operator's token first")
+            sent = request.form.get("csrf", "")
+            expected = session.get("csrf")
+            if not isinstance(expected, str) or not hmac.compare_digest(
+                sent.encode(), expected.encode()
+            ):
+                return refuse("the form's CSRF token is missing or wrong: reload the page")
+            return action(**kwargs)
+
+        return view
+
+    def audit(action: str, job: str, outcome: str) -> None:
+        logger.info(
+            "anarchon web: %s %r by %s: %s", action, job, request.remote_addr, sanitize_url(outcome)
+        )
+
+    def banner_of(exc: BaseException) -> str:
+        text = sanitize_url(one_line(exc))
+        if isinstance(exc, BackendMissing):
+            return f"No claim backend yet: {text}"
+        if isinstance(exc, BackendUnavailable):
+            return f"The claim backend does not answer: {text}"
+        return f"The claim backend cannot be used as configured: {text}"
+
+    def page(template: str, fragment: str, **values: Any) -> str:
+        """The whole page, or (``?fragment=1``, the refresh) its live part."""
+        if request.args.get("fragment") == "1":
+            return render_template(fragment, **values)
+        return render_template(template, fragment=fragment, **values)
+
+    # -- pages ----------------------------------------------------------------
+
+    @app.get("/")
+    def cluster() -> str:
+        try:
+            connect_ms = shared.ready()
+            values: dict[str, Any] = {"data": cluster_page(shared.control, app_name, connect_ms)}
+        except _UNUSABLE as exc:
+            values = {"data": None, "banner": banner_of(exc)}
+        return page("cluster.html", "_cluster.html", **values)
+
+    @app.get("/jobs")
+    def jobs() -> str:
+        query = JobsQuery.from_args(request.args)
+        banner = None
+        try:
+            shared.ready()
+            result = jobs_page(shared.control, query)
+        except _UNUSABLE as exc:
+            banner = banner_of(exc) + " Only the beat_schedule entries are listed, without states."
+            result = jobs_page(shared.control, query, backend_up=False)
+        return page(
+            "jobs.html",
+            "_jobs.html",
+            result=result,
+            query=query,
+            filters={key: value[0] for key, value in FILTERS.items()},
+            sorts=SORTS,
+            banner=banner,
+        )
+
+    @app.get("/jobs/<path:name>")
+    def job(name: str) -> str | Response:
+        try:
+            shared.ready()
+            data = job_page(shared.control, name)
+        except _UNUSABLE as exc:
+            return page("job.html", "_job.html", name=name, data=None, banner=banner_of(exc))
+        if data is None:
+            body = render_template("missing.html", name=name)
+            return Response(body, status=404, mimetype="text/html")
+        return page("job.html", "_job.html", name=name, data=data, stored=_is_stored(data))
+
+    @app.get("/delayed")
+    def delayed() -> str:
+        search = request.args.get("q", "").strip()[:500]
+        try:
+            values: dict[str, Any] = {"data": delayed_page(celery_app, search)}
+        except _UNUSABLE as exc:
+            values = {"data": None, "banner": banner_of(exc)}
+        return page("delayed.html", "_delayed.html", **values)
+
+    # -- signing in -------------------------------------------------------------
+
+    @app.route("/login", methods=["GET", "POST"])
+    def login() -> str | Response:
+        if not allow_actions:
+            return refuse("actions are off (start the page with --allow-actions)")
+        if request.method == "GET":
+            return render_template("login.html")
+        sent = request.form.get("csrf", "")
+        expected = session.get("csrf")
+        if not isinstance(expected, str) or not hmac.compare_digest(
+            sent.encode(), expected.encode()
+        ):
+            return refuse("the form's CSRF token is missing or wrong: reload the page")
+        given = request.form.get("token", "")
+        assert token is not None
+        if not hmac.compare_digest(given.encode(), token.encode()):
+            return refuse("wrong token")
+        session["signed_in"] = _digest(token)
+        session["csrf"] = secrets.token_urlsafe(32)  # a new one once signed in
+        logger.info("anarchon web: operator signed in from %s", request.remote_addr)
+        return redirect(url_for("jobs"))
+
+    @app.post("/logout")
+    def logout() -> Response:
+        session.clear()
+        return redirect(url_for("cluster"))
+
+    # -- actions ----------------------------------------------------------------
+
+    def done(name: str | None, message: str, ok: bool = True) -> Response:
+        flash(message, "ok" if ok else "error")
+        target = url_for("job", name=name) if name else url_for("jobs")
+        return redirect(target, code=303)
+
+    def failed(action: str, name: str, exc: BaseException, back: str | None) -> Response:
+        text = sanitize_url(one_line(exc))
+        audit(action, name, f"refused: {text}")
+        return done(back, f"{action} {name}: {text}", False)
+
+    @app.post("/jobs/<path:name>/run-now")
+    @guarded
+    def run_now(name: str) -> Response:
+        key = request.form.get("key", "").strip() or None
+        try:
+            shared.control.read_jobs()  # a stored job added since the last read
+            result = shared.control.run_now(name, key)
+        except AnarchonError as exc:
+            return failed("run-now", name, exc, name)
+        except Exception as exc:
+            return failed(
+                "run-now", name, RuntimeError(f"the broker refused the task: {exc}"), name
+            )
+        if result.sent:
+            message = f"{name}: sent, task id {result.task_id}"
+        elif result.guarded:
+            message = f"{name}: not sent, a run-now of it was sent moments ago"
+        else:
+            message = f"{name}: not sent, key {result.key!r} was used before"
+        audit("run-now", name, message)
+        return done(name, message, result.sent)
+
+    @app.post("/jobs/<path:name>/pause")
+    @guarded
+    def pause(name: str) -> Response:
+        note = request.form.get("note", "").strip()[:500] or None
+        try:
+            shared.schedules.pause(name, note)
+        except AnarchonError as exc:
+            return failed("pause", name, exc, name)
+        audit("pause", name, "paused")
+        return done(name, f"{name}: paused")
+
+    @app.post("/jobs/<path:name>/resume")
+    @guarded
+    def resume(name: str) -> Response:
+        try:
+            shared.schedules.resume(name)
+        except AnarchonError as exc:
+            return failed("resume", name, exc, name)
+        audit("resume", name, "resumed")
+        return done(name, f"{name}: resumed")
+
+    @app.post("/jobs/<path:name>/remove")
+    @guarded
+    def remove(name: str) -> Response:
+        try:
+            version = shared.schedules.remove(name)
+        except AnarchonError as exc:
+            return failed("remove", name, exc, name)
+        audit("remove", name, f"removed (version {version})")
+        return done(None, f"{name}: removed")
+
+    @app.get("/add")
+    def add_form() -> str | Response:
+        if not signed_in():
+            return refuse("not signed in: give the operator's token first")
+        return render_template("job_form.html", mode="add", current={})
+
+    @app.post("/add")
+    @guarded
+    def add() -> Response:
+        form = request.form
+        name = form.get("name", "").strip()
+        try:
+            if not name:
+                raise ConfigurationError("give the job's name")
+            fields = _definition(form, require=True)
+            shared.schedules.add(name, **fields)
+        except (AnarchonError, Fail) as exc:
+            return failed("add", name, exc, None)
+        audit("add", name, "added")
+        return done(name, f"{name}: added")
+
+    @app.get("/jobs/<path:name>/edit")
+    def edit_form(name: str) -> str | Response:
+        if not signed_in():
+            return refuse("not signed in: give the operator's token first")
+        try:
+            definition = shared.schedules.get(name).definition
+        except AnarchonError as exc:
+            return done(name, f"edit {name}: {sanitize_url(one_line(exc))}", False)
+        if definition is None:
+            return done(name, f"edit {name}: a beat_schedule entry changes in the code", False)
+        current = {
+            "task": definition.task,
+            "schedule": definition.describe_schedule(),
+            "args": json.dumps(definition.args),
+            "kwargs": json.dumps(definition.kwargs),
+        }
+        return render_template("job_form.html", mode="edit", name=name, current=current)
+
+    @app.post("/jobs/<path:name>/edit")
+    @guarded
+    def edit(name: str) -> Response:
+        try:
+            fields = _definition(request.form, require=False)
+            if not fields:
+                raise ConfigurationError("nothing to change: fill in a field")
+            shared.schedules.update(name, **fields)
+        except (AnarchonError, Fail) as exc:
+            return failed("edit", name, exc, name)
+        audit("edit", name, f"updated {', '.join(sorted(fields))}")
+        return done(name, f"{name}: updated")
+
+    return app
+
+
+def _digest(token: str) -> str:
+    """What the session keeps of a signed-in token: a hash, not the token."""
+    return hmac.new(b"anarchon-web-session", token.encode(), "sha256").hexdigest()
+
+
+def _is_stored(data: dict[str, Any]) -> bool:
+    job = data.get("job")
+    return bool(job and job.get("source") == "stored")
+
+
+def _definition(form: Any, *, require: bool) -> dict[str, Any]:
+    """The fields of an add or edit form as :meth:`Schedules.add` or
+    :meth:`Schedules.update` take them (the CLI's parsers: ``every`` as
+    ``--every``, ``cron`` and ``tz`` as ``--cron`` and ``--tz``, ``args``
+    and ``kwargs`` as JSON).
+
+    Raises:
+        Fail: a field the CLI would refuse.
+        ConfigurationError: a required field is missing.
+    """
+
+    def text(name: str) -> str | None:
+        value = str(form.get(name, "")).strip()
+        return value or None
+
+    fields: dict[str, Any] = {}
+    task = text("task")
+    schedule = _schedule(text("every"), text("cron"), text("tz"), text("at"))
+    if require and (task is None or schedule is None):
+        raise ConfigurationError("give the task and one schedule (every, cron or at)")
+    if task is not None:
+        fields["task"] = task
+    if schedule is not None:
+        fields["schedule"] = schedule
+    args, kwargs = text("args"), text("kwargs")
+    if args is not None:
+        fields["args"] = _json_option("args", args, list)
+    if kwargs is not None:
+        fields["kwargs"] = _json_option("kwargs", kwargs, dict)
+    return fields

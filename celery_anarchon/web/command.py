@@ -1,0 +1,72 @@
+"""``celery -A proj anarchon web``: serve the operator web page with waitress."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+
+import click
+
+from ..cli_common import EXIT_CONFIG, app_of, exit_with, handled, schedule_file
+
+__all__ = ["DEFAULT_BIND", "DEFAULT_PORT", "web"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BIND = "127.0.0.1"
+DEFAULT_PORT = 5580
+
+#: waitress worker threads: a page render blocks on the backend.
+THREADS = 8
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@click.command()
+@click.option("--bind", default=DEFAULT_BIND, show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True)
+@click.option(
+    "--allow-actions",
+    is_flag=True,
+    help="Enable run-now, pause, resume, and add, edit, remove of stored jobs; they need "
+    "the token of anarchon_web_token or ANARCHON_WEB_TOKEN.",
+)
+@click.pass_context
+@handled
+def web(ctx: click.Context, bind: str, port: int, allow_actions: bool) -> None:
+    """Serve the operator web page: the cluster, every job with its recent
+    slots, each job's history, the delayed tasks; with --allow-actions the
+    actions too. Binds 127.0.0.1 by default (docs/web.md)."""
+    app = app_of(ctx)
+    try:
+        import waitress
+
+        from .app import create_app, web_token
+    except ImportError as exc:
+        exit_with(
+            EXIT_CONFIG,
+            f"the web page needs the {exc.name!r} package: pip install 'celery-anarchon[web]'",
+            False,
+        )
+    token = web_token(app)
+    if not _loopback(bind) and not token:
+        click.echo(
+            f"WARNING: serving on {bind}, reachable from other hosts, and no token is set "
+            "(anarchon_web_token or ANARCHON_WEB_TOKEN): anyone who reaches the port can "
+            "read every job and its history. Bind 127.0.0.1, or put the page behind an "
+            "authenticating proxy.",
+            err=True,
+        )
+    wsgi = create_app(
+        app, allow_actions=allow_actions, token=token, schedule_filename=schedule_file(ctx)
+    )
+    actions = "actions on (token required)" if allow_actions else "read only"
+    click.echo(f"celery anarchon web: http://{bind}:{port}/ ({actions})", err=True)
+    waitress.serve(wsgi, host=bind, port=port, threads=THREADS, ident="celery-anarchon")

@@ -1,0 +1,47 @@
+// Refreshes the page's live part (#live) in place: fetches the same URL
+// with ?fragment=1 every N seconds, N chosen in #refresh-interval and kept
+// in localStorage. Without JavaScript the page is complete as served.
+(function () {
+  "use strict";
+  var live = document.getElementById("live");
+  var select = document.getElementById("refresh-interval");
+  var status = document.getElementById("refresh-status");
+  if (!live || !select) { return; }
+  var stored = window.localStorage.getItem("anarchon-refresh");
+  for (var i = 0; i < select.options.length; i++) {
+    if (select.options[i].value === stored) { select.value = stored; }
+  }
+  var timer = null;
+  function fragmentUrl() {
+    var url = new URL(window.location.href);
+    url.searchParams.set("fragment", "1");
+    return url.toString();
+  }
+  function refresh() {
+    fetch(fragmentUrl(), { credentials: "same-origin", headers: { "Accept": "text/html" } })
+      .then(function (response) {
+        if (!response.ok) { throw new Error("HTTP " + response.status); }
+        return response.text();
+      })
+      .then(function (html) {
+        live.innerHTML = html;
+        status.textContent = "refreshed " + new Date().toLocaleTimeString();
+        status.className = "";
+      })
+      .catch(function (error) {
+        status.textContent = "refresh failed (" + error.message + "), retrying";
+        status.className = "failed";
+      });
+  }
+  function schedule() {
+    if (timer !== null) { window.clearInterval(timer); timer = null; }
+    var seconds = parseInt(select.value, 10);
+    if (seconds > 0) { timer = window.setInterval(refresh, seconds * 1000); }
+    status.textContent = seconds > 0 ? "refreshing every " + seconds + " s" : "refresh off";
+  }
+  select.addEventListener("change", function () {
+    window.localStorage.setItem("anarchon-refresh", select.value);
+    schedule();
+  });
+  schedule();
+})();
