@@ -29,13 +29,13 @@ from ..backends import sanitize_url
 from ..checks import one_line
 from ..cli_common import Fail
 from ..cli_schedules import _json_option, _schedule
-from ..control import Control
 from ..exceptions import AnarchonError, BackendMissing, BackendUnavailable, ConfigurationError
 from ..schedules import Schedules
 from .pages import (
     FILTERS,
     SORTS,
     JobsQuery,
+    PageControl,
     cluster_page,
     delayed_page,
     job_page,
@@ -75,7 +75,7 @@ class _Shared:
 
     def __init__(self, celery_app: Any, schedule_filename: str | None) -> None:
         self.celery_app = celery_app
-        self.control = Control(celery_app, schedule_filename=schedule_filename)
+        self.control = PageControl(celery_app, schedule_filename=schedule_filename)
         self.lock = threading.Lock()
         self._schedules: Schedules | None = None
         #: How long opening the backend took, milliseconds (None: not open yet).

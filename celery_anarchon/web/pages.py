@@ -11,6 +11,7 @@ filter or sort by state one more over every job; neither reads job by job.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -20,10 +21,11 @@ from typing import Any
 
 from ..backends import sanitize_url
 from ..backends.base import SENT_STATES, Backend, RunRecord, State
+from ..backends.store import JOB, StoredJobsStore
 from ..beat.registry import schedule_fingerprint
 from ..checks import Probe, has_clock
 from ..control import Control
-from ..model import Job, app_zone
+from ..model import Job, app_zone, jobs_from_stored
 from ..reports import (
     StatusReport,
     after_slot,
@@ -33,6 +35,7 @@ from ..reports import (
     run_counts,
     utc,
 )
+from ..stored import StoredState
 from .svg import histogram, lateness_chart, lateness_s, timeline
 
 __all__ = [
@@ -40,6 +43,7 @@ __all__ = [
     "SORTS",
     "TOTAL_STATES",
     "JobsQuery",
+    "PageControl",
     "cluster_page",
     "delayed_page",
     "job_page",
@@ -88,6 +92,92 @@ def _now_ms() -> int:
 def _ago(ms: float) -> str:
     """``12.3s ago``: a duration in milliseconds as seconds ago."""
     return f"{ms / 1000:.1f}s ago"
+
+
+class PageControl(Control):
+    """:class:`Control` for a page that lives long and renders often:
+    :meth:`read_jobs` reads the change counter and then only the stored
+    records written since its last read, and builds only the jobs they
+    changed, as a beat does (``beat/stored.py``). Reading and building
+    every stored job at every render cost seconds at 100,000 jobs
+    (docs/benchmarks.md, "The web page's render cost").
+
+    Thread-safe: the server's threads share one.
+    """
+
+    def __init__(self, app: Any, **options: Any) -> None:
+        super().__init__(app, **options)
+        self._state = StoredState()
+        self._stored_jobs: dict[str, Job] = {}
+        self._problems: dict[str, str] = {}
+        self._reading = threading.Lock()
+
+    def read_jobs(self) -> dict[str, Job]:
+        """:meth:`Control.read_jobs`, from what changed since the last read:
+        one round trip when nothing did (the change counter). A counter
+        that went back (a failover, a backend restarted without its data)
+        reads everything again.
+
+        Raises:
+            BackendUnavailable: the backend does not answer.
+        """
+        with self._reading:
+            if not self.keeps_stored_jobs or (not self._opened and not self.backend.exists()):
+                return super().read_jobs()
+            store = self._open()
+            assert isinstance(store, StoredJobsStore)
+            version = store.stored_version()
+            if self._jobs is not None and version == self._state.version:
+                return self._jobs
+            everything = version < self._state.version or self._state.version == 0
+            if everything:
+                self._state, self._stored_jobs, self._problems = StoredState(), {}, {}
+            changed = self._state.apply(store.stored_changes(self._state.version))
+            rebuilt = {name for kind, name in changed if kind == JOB}
+            for name in rebuilt:
+                self._stored_jobs.pop(name, None)
+                self._problems.pop(name, None)
+            stored = [
+                self._state.jobs[name]
+                for name in sorted(rebuilt)
+                if name in self._state.jobs and name not in self.code_jobs
+            ]
+            built, problems = jobs_from_stored(stored, self.app, self.settings, app_zone(self.app))
+            self._stored_jobs.update(built)
+            self._problems.update(problems)
+            jobs = {**self._stored_jobs, **self.code_jobs}  # the code entry wins
+            touched = jobs if everything else {name for _, name in changed}
+            for name in touched:
+                if name in jobs:
+                    jobs[name].pause = self._state.pauses.get(name)
+            self.stored_problems = {**self._problems, **self._state.unreadable}
+            self._jobs = jobs
+            return jobs
+
+
+#: Most jobs in one history read over every job (the Cluster page's totals,
+#: a state filter): each read is one call to the backend, and a SQL backend's
+#: watchdog ends a call that outlasts ``statement_timeout`` (5 s), which the
+#: read of 100,000 jobs' history does on PostgreSQL.
+WIDE_CHUNK = 5000
+
+
+def recent_history(
+    backend: Backend, jobs: Sequence[str], since_ms: int
+) -> dict[str, list[RunRecord]]:
+    """Every record of ``jobs`` with a slot at or after ``since_ms`` (epoch
+    ms), by job: :meth:`~Backend.history_many` over :data:`WIDE_CHUNK` jobs
+    at a time, so that no single call outlasts the backend's timeout (the
+    round trips are the same: SQL reads 500 jobs a query, Redis 1,000 a
+    pipeline).
+
+    Raises:
+        BackendUnavailable: the backend does not answer.
+    """
+    found: dict[str, list[RunRecord]] = {}
+    for start in range(0, len(jobs), WIDE_CHUNK):
+        found.update(backend.history_many(jobs[start : start + WIDE_CHUNK], since_ms=since_ms))
+    return found
 
 
 # -- Cluster ---------------------------------------------------------------------
@@ -157,7 +247,7 @@ def cluster_page(control: Control, app_name: str, connect_ms: float) -> dict[str
     jobs = control.read_jobs()
     since = now_ms - HOUR_MS
     counts: Counter[str] = Counter()
-    for records in backend.history_many(list(jobs), since_ms=since).values():
+    for records in recent_history(backend, list(jobs), since).values():
         for record in records:
             # "sent": every run that really went to the broker, whatever it became.
             counts["sent" if record.state in SENT_STATES else record.state.value] += 1
@@ -292,7 +382,7 @@ def jobs_page(control: Control, query: JobsQuery, *, backend_up: bool = True) ->
     wide: dict[str, list[RunRecord]] = {}
     if backend_up and (query.state or query.sort == "last"):
         look_back = FILTERS[query.state][2] if query.state else DAY_MS
-        wide = backend.history_many(names, since_ms=now_ms - look_back)
+        wide = recent_history(backend, names, now_ms - look_back)
     if query.state and backend_up:
         states = FILTERS[query.state][1]
         names = [n for n in names if any(r.state in states for r in wide.get(n, ()))]

@@ -131,8 +131,9 @@ def histogram(
     width: int = 640,
     height: int = 160,
 ) -> Markup:
-    """Bars of ``counts`` with one label per bar (shown under the first,
-    middle and last bar, and in each bar's ``<title>``).
+    """Bars of ``counts`` with one label per bar (shown under each bar
+    when the labels fit, else under the first, middle and last, and in
+    each bar's ``<title>``).
 
     Args:
         counts: one count per bin.
@@ -159,11 +160,20 @@ def histogram(
                 f'<text x="{x + step / 2:.1f}" y="{height - pad - bar - 2:.1f}" class="label" '
                 f'text-anchor="middle">{value}</text>'
             )
-    for i in sorted({0, len(labels) // 2, len(labels) - 1}):
-        if 0 <= i < len(labels):
+    # Every bar's label under it when they fit (10 px text: about 6.5 px a
+    # character), else the first, middle and last.
+    if labels and step >= 6.5 * max(len(label) for label in labels):
+        for i, label in enumerate(labels):
             parts.append(
-                f'<text x="{pad + i * step:.1f}" y="{height - 6}" class="label">'
-                f"{escape(labels[i])}</text>"
+                f'<text x="{pad + i * step + step / 2:.1f}" y="{height - 6}" class="label" '
+                f'text-anchor="middle">{escape(label)}</text>'
             )
+    else:
+        for i in sorted({0, len(labels) // 2, len(labels) - 1}):
+            if 0 <= i < len(labels):
+                parts.append(
+                    f'<text x="{pad + i * step:.1f}" y="{height - 6}" class="label">'
+                    f"{escape(labels[i])}</text>"
+                )
     parts.append("</svg>")
     return Markup("".join(parts))
