@@ -4,7 +4,10 @@ No timing is asserted: the figures of a run this small mean nothing. What is
 checked is that every benchmark runs, prints its table, and (burst) that
 every slot it measured was sent exactly once, (runtime) that every change
 was applied by every instance, (stored_scale) that every instance reached
-the store's version and no slot was sent twice or under a stale definition.
+the store's version and no slot was sent twice or under a stale definition,
+(countdown) that every parked task ran exactly once while the native
+countdown tasks were held by their worker and ran again past a short
+``visibility_timeout``.
 """
 
 from __future__ import annotations
@@ -338,3 +341,59 @@ def test_delayed_smoke(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> No
     redis_own = results[0]["memory_per_task"]["keys"]
     postgres_own = results[1]["memory_per_task"]["total"]
     assert redis_own > 0 and postgres_own > 0
+
+
+@pytest.mark.integration
+def test_countdown_smoke(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Real workers on a Redis broker: the native countdown tasks are all
+    held by their worker, unacknowledged, and run more than once past a
+    short ``visibility_timeout``; the parked ones are fetched by no worker
+    until due, and run exactly once. The consumer-timeout part is not run
+    here: it starts a RabbitMQ node of its own and takes minutes even with
+    ``--quick``."""
+    from bench import countdown
+
+    require_service("redis")
+    out = tmp_path / "countdown.json"
+    argv = ["--quick", "--only", "rss", "--only", "redelivery", "--json", str(out)]
+    assert countdown.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| per pending task: RSS / PSS (bytes) |" in printed
+    assert "| executions beyond the first (duplicates) |" in printed
+    results = json.loads(out.read_text())
+    rss = results["rss"]
+    assert "error" not in rss, rss
+    assert rss["native_taken_s"] is not None
+    assert (rss["native_unacked"], rss["native_queued"]) == (2000, 0)
+    assert rss["ours_parked"] == 2000
+    assert (rss["unacked_after_ours"], rss["ours_queued"]) == (2000, 0)
+    assert rss["native_loaded"]["main_rss"] > rss["native_baseline"]["main_rss"]
+    redelivery = results["redelivery"]
+    assert "error" not in redelivery, redelivery
+    assert redelivery["ours"]["per_task"] == {"1": 5}, redelivery["ours"]
+    assert redelivery["native"]["never"] == 0
+    assert redelivery["native"]["extra"] > 0, redelivery["native"]
+
+
+def test_web_render_cost_smoke(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Every page renders at both tiny sizes on Redis, PostgreSQL and SQLite,
+    without a banner, and a Jobs render makes the same round trips at 100
+    and 1,000 jobs."""
+    from bench import web
+
+    require_service("redis")
+    require_service("postgresql")
+    out = tmp_path / "web.json"
+    assert web.main(["--quick", "--json", str(out)]) == 0
+    assert "| redis | Jobs, filtered |" in capsys.readouterr().out
+    results = json.loads(out.read_text())["results"]
+    assert [(r["backend"], r["jobs"]) for r in results] == [
+        (kind, size) for kind in ("redis", "postgresql", "sqlite") for size in (100, 1000)
+    ]
+    for r in results:
+        for page in web.PAGES:
+            assert "error" not in r["pages"][page], (r["backend"], r["jobs"], r["pages"][page])
+            assert r["pages"][page]["round_trips"] > 0 and r["pages"][page]["ms"] > 0
+    for kind in ("redis", "postgresql", "sqlite"):
+        small, large = (r["pages"]["Jobs"]["round_trips"] for r in results if r["backend"] == kind)
+        assert small == large, kind
