@@ -499,7 +499,7 @@ def job_page(control: Control, name: str) -> dict[str, Any] | None:
     for value in late:
         index = next((i for i, top in enumerate(LATENESS_BINS) if value <= top), None)
         counts_by_bin[len(LATENESS_BINS) if index is None else index] += 1
-    labels = [f"<= {top:g}s" for top in LATENESS_BINS] + [f"> {LATENESS_BINS[-1]:g}s"]
+    labels = [f"≤{top:g}s" for top in LATENESS_BINS] + [f">{LATENESS_BINS[-1]:g}s"]
     states = Counter(r.state.value for r in records)
     return {
         "name": name,
