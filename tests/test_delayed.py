@@ -117,15 +117,22 @@ def test_park_many_parks_in_order(app: Celery) -> None:
 
 
 def test_a_signature_parks_its_args_and_options(app: Celery) -> None:
-    task_id = delayed.park(app, app.tasks["tests.add"].s(2).set(queue="q9"), (3,), countdown=60)
+    """Merged as Signature.apply_async merges (the call's args first; an
+    immutable signature keeps its own), checked against Celery's merge."""
+    partial = app.tasks["tests.add"].s(2).set(queue="q9")
+    task_id = delayed.park(app, partial, (3,), countdown=60)
     got = delayed.get(app, task_id)
     assert got is not None
     summary = got.summary()
     assert (summary["task"], summary["args"], summary["options"]) == (
         "tests.add",
-        [2, 3],
+        [3, 2],
         {"queue": "q9"},
     )
+    assert list(partial._merge((3,), {}, {})[0]) == summary["args"]
+    immutable = app.tasks["tests.add"].si(5, 6)
+    kept = delayed.get(app, delayed.park(app, immutable, (7,), countdown=60))
+    assert kept is not None and kept.summary()["args"] == [5, 6]
     with pytest.raises(TypeError, match="signature refuses"):
         delayed.park(app, app.tasks["tests.add"].s(1, 2), (3,))
 

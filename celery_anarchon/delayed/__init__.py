@@ -328,12 +328,16 @@ def _parked(
     options: Mapping[str, Any],
 ) -> Parked:
     if isinstance(task, Signature):
-        # A signature's own args come first and its options under the call's,
-        # as Signature.apply_async merges them.
+        # The call's args are prepended to the signature's (a partial), its
+        # kwargs and options win, and an immutable signature keeps its own
+        # arguments: as Signature.apply_async merges them (Signature._merge).
         if task.get("subtask_type"):
             raise TypeError(f"park: a {task['subtask_type']} cannot be parked; park a task.")
-        args = (*task.args, *(args or ()))
-        kwargs = {**task.kwargs, **(kwargs or {})}
+        if task.immutable:
+            args, kwargs = tuple(task.args), dict(task.kwargs)
+        else:
+            args = (*(args or ()), *task.args)
+            kwargs = {**task.kwargs, **(kwargs or {})}
         options = {**task.options, **options}
         task = task.task
     name = task if isinstance(task, str) else getattr(task, "name", None)
@@ -424,7 +428,9 @@ def park(
         app: the Celery app (its ``anarchon_backend`` is the store).
         task: a task object, a task name (an unknown name is parked by
             name, as ``send_task`` would), or a signature (``add.s(2)``:
-            its args first, its options under the call's).
+            merged as ``Signature.apply_async`` merges: the call's args
+            before the signature's, the call's kwargs and options over
+            its own; an immutable signature keeps its arguments).
         args, kwargs: the task's arguments, encoded now by the task's
             serializer.
         eta: an aware datetime; one in the past is released at once.
