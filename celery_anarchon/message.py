@@ -18,6 +18,7 @@ from .times import utc as _utc
 
 __all__ = [
     "HEADER_DELAYED",
+    "HEADER_PARKING",
     "HEADER_JOB",
     "HEADER_SLOT",
     "HEADER_TOKEN",
@@ -45,6 +46,12 @@ HEADER_TOKEN = "anarchon_token"
 #: The header of a released parked task (its value: the store's namespace);
 #: the worker integration's start gate discards a second delivery of its id.
 HEADER_DELAYED = "anarchon_delayed"
+
+#: The header naming one parking of a released task (a random id written
+#: when it was parked): the worker's start gate marks each parking apart, so
+#: a task id parked again after it ran runs again, as Celery runs a reused id,
+#: while a second delivery of one parking is discarded.
+HEADER_PARKING = "anarchon_parking"
 
 
 def task_id_for(job: str, slot_ms: int, *, namespace: str) -> str:

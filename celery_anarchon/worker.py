@@ -134,6 +134,7 @@ from .exceptions import AnarchonError, ConfigurationError
 from .message import (
     HEADER_DELAYED,
     HEADER_JOB,
+    HEADER_PARKING,
     HEADER_SLOT,
     HEADER_TOKEN,
     expires_for,
@@ -481,7 +482,7 @@ class WorkerIntegration:
             Ignore: a later delivery, or (``anarchon_worker_strict``) the
                 store could not be asked within the wait.
         """
-        task_id = released_mark(str(request.id), request.retries)
+        task_id = released_mark(str(request.id), request.retries, _header(request, HEADER_PARKING))
         first = self._mark_released(task_id)
         if first is None:
             if self._strict():
@@ -976,12 +977,18 @@ def _add_gate(cls: type) -> None:
     cls.before_start = before_start  # type: ignore[attr-defined]
 
 
-def released_mark(task_id: str, retries: Any) -> str:
-    """What the start gate marks for one attempt of a released task: its
-    task id for the first attempt, ``"<task id>#retry<n>"`` for retry ``n``
-    (``request.retries``), so the attempts of one task id are told apart."""
+def released_mark(task_id: str, retries: Any, parking: Any = None) -> str:
+    """What the start gate marks for one attempt of a released task:
+    ``"<task id>#<parking>"`` (the random id of the parking, header
+    :data:`~celery_anarchon.message.HEADER_PARKING`) for its first attempt,
+    with ``"#retry<n>"`` after it for retry ``n`` (``request.retries``).
+    So a task id parked again after it ran is marked anew (Celery runs a
+    reused id again), the attempts of one parking are told apart, and no
+    task id can be made to match another task's mark. A task parked before
+    the parking id existed is marked ``"<task id>"`` (``#retry<n>``)."""
     count = retries if isinstance(retries, int) and not isinstance(retries, bool) else 0
-    return task_id if count <= 0 else f"{task_id}#retry{count}"
+    mark = f"{task_id}#{parking}" if isinstance(parking, str) and parking else task_id
+    return mark if count <= 0 else f"{mark}#retry{count}"
 
 
 def _redelivered(request: Any) -> bool:

@@ -50,11 +50,16 @@ def _append(path: str, line: str) -> None:
 
 
 def _stamp(task: Any, path: str, tag: str) -> None:
-    """``tag <task id> <retries> <released|sent> <epoch ms>`` in ``path``:
-    ``released`` when the message carries the releaser's header."""
+    """``tag <task id> <retries> <released|sent> <epoch ms> <parking id|->``
+    in ``path``: ``released`` when the message carries the releaser's
+    header, the parking id its ``anarchon_parking`` header."""
     request = task.request
     released = "released" if request.get("anarchon_delayed") else "sent"
-    _append(path, f"{tag} {request.id} {request.retries} {released} {int(time.time() * 1000)}")
+    parking = request.get("anarchon_parking") or "-"
+    _append(
+        path,
+        f"{tag} {request.id} {request.retries} {released} {int(time.time() * 1000)} {parking}",
+    )
 
 
 def _register(app: Celery) -> None:

@@ -129,6 +129,18 @@ def test_a_long_countdown_is_parked_under_the_callers_task_id(app: Celery, queue
     assert delayed.count(app) == 2
 
 
+def test_a_task_id_still_parked_is_refused_not_dropped(app: Celery) -> None:
+    """Celery would send both calls; one id holds one parked task, so the
+    second call raises, naming the id, and the first stays as it was."""
+    add = app.tasks["ptest.add"]
+    task_id = str(uuid.uuid4())
+    add.apply_async((1, 2), countdown=3600, task_id=task_id)
+    with pytest.raises(ValueError, match=f"task id {task_id} is parked already"):
+        add.apply_async((5, 6), countdown=7200, task_id=task_id)
+    got = delayed.get(app, task_id)
+    assert got is not None and got.summary()["args"] == [1, 2]
+
+
 def test_an_eta_further_than_the_threshold_is_parked_at_that_instant(
     app: Celery, queue: str
 ) -> None:
@@ -299,13 +311,15 @@ def test_parked_calls_and_a_parked_retry_run_once_through_a_real_beat_and_worker
         assert wait_for(lambda: lines(linked) == [["linked", "8"]], 20), cluster.logs()
 
         # A second delivery of the released retry (what a take-over would
-        # publish): the same id, the same retries count, the header.
+        # publish): the same id, the same retries count, the headers.
+        [parking] = [row[5] for row in lines(out) if row[0] == "attempt-1"]
+        assert parking != "-"
         app.send_task(
             "ptest.retry_later",
             (str(out), 3),
             task_id=retried.id,
             retries=1,
-            headers={"anarchon_delayed": "test"},
+            headers={"anarchon_delayed": "test", "anarchon_parking": parking},
         )
         worker_log = tmp_path / "worker-1.log"
         assert wait_for(
@@ -313,11 +327,18 @@ def test_parked_calls_and_a_parked_retry_run_once_through_a_real_beat_and_worker
         ), cluster.logs()
         time.sleep(1)
         assert delayed.count(app) == 0
+        # The id of a task that ran, parked again: a new parking, so it runs
+        # again, as Celery runs a reused id.
+        again = stamp.apply_async((str(out), "reused"), countdown=2, task_id=by_eta.id)
+        assert again.id == by_eta.id
+        assert wait_for(lambda: any(row[0] == "reused" for row in lines(out)), 30), cluster.logs()
     finally:
         cluster.stop_workers()
         cluster.stop()
-    stamps = {(tag, task_id): (retries, how) for tag, task_id, retries, how, _ in lines(out)}
-    assert len(lines(out)) == 3, lines(out)  # eta once; attempt 0 and the retry once each
+    stamps = {(tag, task_id): (retries, how) for tag, task_id, retries, how, *_ in lines(out)}
+    # eta once; attempt 0 and the retry once each; the reused id once
+    assert len(lines(out)) == 4, lines(out)
+    assert stamps[("reused", by_eta.id)] == ("0", "released")
     assert stamps[("eta", by_eta.id)] == ("0", "released")
     assert stamps[("attempt-0", retried.id)] == ("0", "sent")  # no countdown: sent
     assert stamps[("attempt-1", retried.id)] == ("1", "released")  # parked, then released

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import json
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -140,7 +141,9 @@ def encode_payload(
     parked_ms: int,
     due_ms: int,
 ) -> str:
-    """The payload of one parked task, as JSON text.
+    """The payload of one parked task, as JSON text, with a random
+    ``parking`` id of its own (the worker's start gate marks each parking
+    apart).
 
     ``args`` and ``kwargs`` are encoded together by ``serializer`` (a
     kombu serializer name: ``json``, ``pickle``, ``msgpack``, ``yaml``);
@@ -171,6 +174,7 @@ def encode_payload(
         key=key,
         parked_ms=parked_ms,
         due_ms=due_ms,
+        parking=uuid.uuid4().hex,
     )
     return json.dumps(fields, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
 

@@ -35,7 +35,7 @@ from typing import Any
 from celery import Task
 
 from ..exceptions import ConfigurationError
-from ..times import seconds
+from ..times import iso, seconds
 from . import OPTIONS, PENDING, park, store_for
 
 __all__ = ["SETTING", "ParkingSettings", "ParkingTask", "parking_settings"]
@@ -312,10 +312,11 @@ def _make_room(app: Any, name: str, task_id: str, retries: int) -> None:
     retry can also find its attempt pending again, given back after a
     publish in doubt that did reach the worker (it runs now): that copy is
     cancelled (the worker gate would discard it anyway) and the retry
-    parked. Any other pending task under the id is left to ``park``, which
-    keeps the task parked first and returns its id.
+    parked. A first call (not a retry) whose id is pending is refused:
+    Celery would send both, and ``park`` would keep the first alone.
 
     Raises:
+        ValueError: a first call whose task id is parked and pending.
         RuntimeError: a retry whose id is pending under another attempt, or
             an id still in flight after :data:`IN_FLIGHT_WAIT_S` (a
             releaser's lease is 30 s).
@@ -329,7 +330,14 @@ def _make_room(app: Any, name: str, task_id: str, retries: int) -> None:
             return
         if found.state == PENDING:
             if not retries:
-                return
+                # Celery would send both calls; parking both under one id
+                # cannot be (park would keep the first and drop this one).
+                raise ValueError(
+                    f"{name}.apply_async: task id {task_id} is parked already (due "
+                    f"{iso(found.due_ms)}); parking this call under it would drop it. "
+                    "Give another task_id, or cancel the parked one first "
+                    f"(celery anarchon delayed cancel {task_id})."
+                )
             attempt = int(found.decoded().get("options", {}).get("retries") or 0)
             if attempt == retries:
                 return  # this retry is parked already

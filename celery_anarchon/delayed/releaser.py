@@ -34,7 +34,7 @@ from kombu.exceptions import EncodeError
 
 from ..beat.batch import UNSENDABLE, UNSENT, BatchWriter, Outcome, publish_failure
 from ..exceptions import BackendUnavailable
-from ..message import HEADER_DELAYED, bounded_connection
+from ..message import HEADER_DELAYED, HEADER_PARKING, bounded_connection
 from ..metrics import Metrics
 from .model import ParkedTask, Taken
 from .settings import DelayedSettings
@@ -104,6 +104,11 @@ def send_parked(
     options = dict(body.get("options") or {})
     headers = dict(options.pop("headers", None) or {})
     headers[HEADER_DELAYED] = namespace
+    parking = body.get("parking")
+    if parking:
+        headers[HEADER_PARKING] = parking
+    else:  # parked by a version before the parking id: the task id alone
+        headers.pop(HEADER_PARKING, None)
     expires = options.get("expires")
     if isinstance(expires, str):
         options["expires"] = datetime.fromisoformat(expires)
