@@ -344,12 +344,6 @@ def add(
                 "(`celery -A proj anarchon -s FILE add ...`), or beat will not see the job.",
                 err=True,
             )
-    if task not in app_of(ctx).tasks:
-        click.echo(
-            f"note: task {task!r} is not registered in this app (a typo?): beat sends it by "
-            "name, and a worker that lacks it refuses it.",
-            err=True,
-        )
     report["paused"] = paused
     report["pause_note"] = (note or "") if paused else None
     if as_json:

@@ -209,7 +209,7 @@ class Schedules:
                 f"slot after the change holds ({APPLY_DELAY_MS // 1000} s after it commits), so "
                 "it would never run. Fix: give a time further in the future."
             )
-        if definition.task not in self.app.tasks:
+        if not _registered(self.app, definition.task):
             logger.warning(
                 "anarchon: stored job %s: task %r is not registered in this app (a typo?); "
                 "beat sends it by name, and a worker without it refuses it",
@@ -502,3 +502,17 @@ def _with_bounds(anarchon: Any, bounds: dict[str, Any], *, clear: bool = False) 
         elif clear and key in bounds:
             merged.pop(key, None)
     return merged
+
+
+def _registered(app: Any, task: str) -> bool:
+    """Whether ``task`` is registered in ``app`` once the modules a worker
+    imports (``include``, ``imports``) are imported, as a worker imports
+    them (``app.loader.import_default_modules``); True when they cannot
+    be imported here (nothing to judge by)."""
+    if task in app.tasks:
+        return True
+    try:
+        app.loader.import_default_modules()
+    except Exception:  # the user's modules: a worker would report it
+        return True
+    return task in app.tasks

@@ -572,3 +572,26 @@ def test_bounds_from_the_command_line_and_finished_jobs_in_jobs(stored_app: Cele
     assert "whole number" in fails(app, "update", "limited", "--max-runs", "two")
     assert "max_runs must be" in fails(app, "update", "limited", "--max-runs", "0")
     assert "before start_at" in fails(app, "update", "limited", "--end-at", "2025-01-01T00:00Z")
+
+
+def test_a_task_of_an_included_module_is_known_and_a_typo_is_warned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A task defined in a module of Celery's ``include`` (imported by a
+    worker, not by the app's module) is not reported as unregistered when a
+    job is stored; a name no module defines is, once."""
+    module = f"included_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{module}.py").write_text(
+        "from celery import shared_task\n\n"
+        f"@shared_task(name='{module}.hello')\n"
+        "def hello():\n"
+        "    return 'hello'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    app = make_app(anarchon_backend=f"sqlite:///{tmp_path / 'claims.db'}", include=[module])
+    with caplog.at_level("WARNING", logger="celery_anarchon"), Schedules(app) as schedules:
+        schedules.add("greet", f"{module}.hello", 60.0)
+        assert "not registered" not in caplog.text
+        schedules.add("typo", f"{module}.helo", 60.0)
+    warned = [r for r in caplog.records if "not registered" in r.getMessage()]
+    assert len(warned) == 1 and f"{module}.helo" in warned[0].getMessage()
