@@ -653,9 +653,32 @@ def test_the_command_serves_over_real_http(
             urllib.request.urlopen(refused, timeout=5)
         assert answer.value.code == 403
         answer.value.close()
+        assert not pause_of(celery_app, "every-minute")
+        # Signed in (a cookie jar keeps the session), the pause is made and
+        # logged at INFO, which the command shows by default.
+        import http.cookiejar
+        import urllib.parse
+
+        opener = urllib.request.build_opener(
+            urllib.request.HTTPCookieProcessor(http.cookiejar.CookieJar())
+        )
+
+        def post(path: str, page: str, **fields: str) -> None:
+            form = urllib.parse.urlencode({"csrf": csrf_of(page), **fields}).encode()
+            opener.open(urllib.request.Request(f"{base}{path}", data=form), timeout=5).close()
+
+        def read(path: str) -> str:
+            with opener.open(f"{base}{path}", timeout=5) as answer_page:
+                return str(answer_page.read().decode())
+
+        post("/login", read("/login"), token=TOKEN)
+        post("/jobs/every-minute/pause", read("/jobs/every-minute"), note="from the test")
+        assert pause_of(celery_app, "every-minute")
     finally:
         process.terminate()
         output = process.communicate(timeout=10)[0].decode()
     assert f"http://127.0.0.1:{port}/" in output
     assert "refused POST /jobs/every-minute/pause from 127.0.0.1" in output
-    assert not pause_of(celery_app, "every-minute")
+    assert "INFO] celery_anarchon.web.app: anarchon web: pause 'every-minute' by 127.0.0.1" in (
+        output
+    ), output

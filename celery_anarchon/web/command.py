@@ -16,6 +16,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_BIND = "127.0.0.1"
 DEFAULT_PORT = 5580
 
+#: The levels ``--loglevel`` takes (Celery's).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
 #: waitress worker threads: a page render blocks on the backend.
 THREADS = 8
 
@@ -38,13 +41,26 @@ def _loopback(host: str) -> bool:
     help="Enable run-now, pause, resume, and add, edit, remove of stored jobs; they need "
     "the token of anarchon_web_token or ANARCHON_WEB_TOKEN.",
 )
+@click.option(
+    "-l",
+    "--loglevel",
+    type=click.Choice(LOG_LEVELS, case_sensitive=False),
+    default="INFO",
+    show_default=True,
+    help="Logging level: INFO shows every action with the operator's address.",
+)
 @click.pass_context
 @handled
-def web(ctx: click.Context, bind: str, port: int, allow_actions: bool) -> None:
+def web(ctx: click.Context, bind: str, port: int, allow_actions: bool, loglevel: str) -> None:
     """Serve the operator web page: the cluster, every job with its recent
     slots, each job's history, the delayed tasks; with --allow-actions the
     actions too. Binds 127.0.0.1 by default (docs/web.md)."""
     app = app_of(ctx)
+    # Celery's own log format; the page's actions and refusals are INFO and
+    # WARNING lines of the logger celery_anarchon.web.app.
+    logging.basicConfig(
+        level=loglevel.upper(), format="[%(asctime)s: %(levelname)s] %(name)s: %(message)s"
+    )
     try:
         import waitress
 
@@ -56,6 +72,14 @@ def web(ctx: click.Context, bind: str, port: int, allow_actions: bool) -> None:
             False,
         )
     token = web_token(app)
+    if allow_actions and not token:
+        exit_with(
+            EXIT_CONFIG,
+            "--allow-actions needs a token: set anarchon_web_token in the app's configuration "
+            "or ANARCHON_WEB_TOKEN in the environment, e.g. ANARCHON_WEB_TOKEN=$(python -c "
+            "'import secrets; print(secrets.token_urlsafe())')",
+            False,
+        )
     if not _loopback(bind) and not token:
         click.echo(
             f"WARNING: serving on {bind}, reachable from other hosts, and no token is set "
