@@ -45,7 +45,16 @@ import click
 from . import delayed
 from .backends import sanitize_url
 from .checks import one_line
-from .cli_common import EXIT_CONFIG, EXIT_PROBLEM, EXIT_USAGE, Fail, app_of, handled, json_option
+from .cli_common import (
+    EXIT_CONFIG,
+    EXIT_PROBLEM,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    Fail,
+    app_of,
+    handled,
+    json_option,
+)
 from .cli_schedules import parse_at
 from .delayed.model import IN_FLIGHT, ParkedTask
 from .delayed.store import DelayedStore
@@ -108,6 +117,18 @@ def _delayed_app(ctx: click.Context) -> Iterator[tuple[Any, DelayedStore]]:
         store, _ = delayed.store_for(app)
     except ConfigurationError as exc:  # a backend without a delayed store, or a bad setting
         raise Fail(EXIT_CONFIG, f"configuration error: {one_line(exc)}") from exc
+    backend = getattr(store, "backend", None)
+    if backend is not None and not backend.exists():
+        # A SQLite file that is not there: another folder than beat's, most
+        # likely; "0 parked" would be a wrong answer.
+        store.close()
+        raise Fail(
+            EXIT_UNREACHABLE,
+            f"no delayed store: {backend.describe()} does not exist: beat creates it on its "
+            "first start. Run the command where beat runs, with beat's -s file "
+            "(`celery -A proj anarchon -s FILE delayed ...`), or set anarchon_backend "
+            "(or anarchon_delayed_backend) to the shared backend beat uses.",
+        )
     try:
         yield app, store
     finally:
