@@ -204,3 +204,28 @@ def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.crash()
+
+
+# -- the full fault profile ---------------------------------------------------------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--faults-full",
+        action="store_true",
+        help="also run the fault rows marked faults_full (left out of the default run)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without ``--faults-full``, deselect the rows marked ``faults_full``:
+    fault rows whose code path a default row covers on another store
+    (docs/reliability.md lists which run where)."""
+    if config.getoption("--faults-full"):
+        return
+    kept = [item for item in items if item.get_closest_marker("faults_full") is None]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(
+            items=[item for item in items if item.get_closest_marker("faults_full") is not None]
+        )
+        items[:] = kept
