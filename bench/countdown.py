@@ -865,8 +865,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.quick:
         args.rss_count, args.settle, args.take_timeout = 2000, 3.0, 120.0
         args.redelivery_count, args.visibility_timeout = 5, 3.0
-        args.redelivery_countdown, args.restore_interval, args.restore_throttle = 15.0, 1, 1
-        args.redelivery_grace = 10.0
+        args.redelivery_countdown, args.restore_interval, args.restore_throttle = 8.0, 1, 1
+        args.redelivery_grace = 6.0
         args.ct_countdown, args.consumer_timeout, args.ct_grace = 150.0, 30.0, 60.0
     return args
 

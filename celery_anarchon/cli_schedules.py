@@ -59,7 +59,7 @@ from .exceptions import ConfigurationError
 from .model import app_zone, job_from_stored
 from .schedules import Schedules, StoredJobsRefused
 from .slots import cron
-from .stored import Pause, StoredJob
+from .stored import Pause, StoredJob, StoredState
 from .times import iso
 
 __all__ = ["COMMANDS", "add", "parse_at", "parse_every", "pause", "remove", "resume", "update"]
@@ -433,7 +433,7 @@ def remove(ctx: click.Context, name: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps({"job": name, "action": "removed", "version": version}))
     else:
-        click.echo(f"{name}: removed (version {version}); its history stays")
+        click.echo(f"{name}: removed (store version {version}); its history stays")
 
 
 def _pause_json(name: str, action: str, pause: Pause, changed: bool) -> dict[str, Any]:
@@ -464,17 +464,14 @@ def pause(ctx: click.Context, name: str, note: str | None, as_json: bool) -> Non
     the name.
     """
     with _schedules(ctx) as schedules:
-        before = schedules.state().pauses.get(name)
+        state = schedules.state()
+        before = state.pauses.get(name)
         result = schedules.pause(name, note=note)
     changed = result.version != (before.version if before else 0)
     if as_json:
         click.echo(json.dumps(_pause_json(name, "paused", result, changed)))
-    elif changed:
-        shown = f" ({result.note})" if result.note else ""
-        click.echo(f"{name}: paused{shown}, version {result.version}")
     else:
-        shown = f" ({result.note})" if result.note else ""
-        click.echo(f"{name}: already paused since {iso(result.paused_ms, exact=True)}{shown}")
+        click.echo(pause_line(name, result, changed, _own_version(schedules, state, name)))
 
 
 @click.command()
@@ -490,15 +487,46 @@ def resume(ctx: click.Context, name: str, as_json: bool) -> None:
     when no job has the name.
     """
     with _schedules(ctx) as schedules:
-        before = schedules.state().pauses.get(name)
+        state = schedules.state()
+        before = state.pauses.get(name)
         result = schedules.resume(name)
     changed = result.version != (before.version if before else 0)
     if as_json:
         click.echo(json.dumps(_pause_json(name, "resumed", result, changed)))
-    elif changed:
-        click.echo(f"{name}: resumed, version {result.version}")
     else:
-        click.echo(f"{name}: not paused; nothing to resume")
+        click.echo(pause_line(name, result, changed, _own_version(schedules, state, name)))
+
+
+def _own_version(schedules: Schedules, state: StoredState, name: str) -> int:
+    """The job's own version as ``jobs`` shows it: a stored job's, 0 for a
+    code entry (it has none, and wins over a stored job of its name)."""
+    stored = state.jobs.get(name)
+    if stored is None or name in (schedules.app.conf.beat_schedule or {}):
+        return 0
+    return stored.version
+
+
+def pause_line(name: str, result: Pause, changed: bool, job_version: int) -> str:
+    """The line ``pause`` and ``resume`` print (and the web page shows).
+
+    Args:
+        name: the job.
+        result: its pause state after the command.
+        changed: whether the command wrote it.
+        job_version: a stored job's own version (as ``jobs`` shows it; 0
+            for a code entry, which has none). The pause record's number in
+            the store's change counter (``--json``'s ``version``) is not
+            shown: it is no version of the job.
+    """
+    version = f", version {job_version}" if job_version else ""
+    note = f" ({result.note})" if result.note else ""
+    if result.paused and changed:
+        return f"{name}: paused{note}{version}"
+    if result.paused:
+        return f"{name}: already paused since {iso(result.paused_ms, exact=True)}{note}"
+    if changed:
+        return f"{name}: resumed{version}"
+    return f"{name}: not paused; nothing to resume"
 
 
 #: The commands of this module, as :mod:`celery_anarchon.cli` registers them.

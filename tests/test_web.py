@@ -6,6 +6,8 @@ the backend-down banner, and the backend round trips of a Jobs render.
 
 from __future__ import annotations
 
+import hmac
+import json
 import logging
 import re
 import socket
@@ -28,6 +30,7 @@ from celery_anarchon.exceptions import ConfigurationError
 from celery_anarchon.reports import utc
 from celery_anarchon.schedules import Schedules
 from celery_anarchon.web import create_app
+from celery_anarchon.web.app import LOOPBACK_HOSTS
 
 from .conftest import MYSQL_URL, POSTGRES_URL, REDIS_URL, require_service
 
@@ -583,7 +586,7 @@ def _invoke(app: Celery, *args: str) -> Any:
     )
 
 
-def test_the_command_warns_when_bound_elsewhere_without_a_token(
+def test_the_command_warns_when_bound_elsewhere(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import waitress
@@ -594,7 +597,7 @@ def test_the_command_warns_when_bound_elsewhere_without_a_token(
     app = make_app(f"sqlite:///{tmp_path / 'c.db'}", anarchon_web_token=None)
     result = _invoke(app, "web", "--bind", "0.0.0.0", "--port", "5599")
     assert result.exit_code == 0, result.output
-    assert "WARNING" in result.stderr and "no token is set" in result.stderr
+    assert "WARNING" in result.stderr and "open to anyone who reaches the port" in result.stderr
     assert served == [{"host": "0.0.0.0", "port": 5599, "threads": 8, "ident": "celery-anarchon"}]
     quiet = _invoke(app, "web")
     assert quiet.exit_code == 0 and "WARNING" not in quiet.stderr
@@ -682,3 +685,280 @@ def test_the_command_serves_over_real_http(
     assert "INFO] celery_anarchon.web.app: anarchon web: pause 'every-minute' by 127.0.0.1" in (
         output
     ), output
+
+
+# -- the review's findings ---------------------------------------------------------------
+
+
+@pytest.fixture
+def sqlite_app(tmp_path: Path) -> Celery:
+    """An app on a SQLite file that exists (as after beat's first start)."""
+    app = make_app(f"sqlite:///{tmp_path / 'claims.db'}")
+    made = backend_from_url(app.conf.anarchon_backend, instance="test-writer")
+    made.open()
+    made.close()
+    return app
+
+
+@pytest.fixture
+def sqlite_client(sqlite_app: Celery) -> FlaskClient:
+    return create_app(sqlite_app, allow_actions=True).test_client()
+
+
+FOREIGN_HOSTS = ("evil.example", "evil.example:5580", "localhost.evil.example", "[::2]:5580")
+
+
+def test_with_allowed_hosts_another_host_name_gets_400(sqlite_app: Celery) -> None:
+    """DNS rebinding: a page of evil.example whose name resolves to
+    127.0.0.1 reaches the page with ``Host: evil.example``; it gets 400 on
+    every path, the loopback names on any port get the page."""
+    client = create_app(sqlite_app, allow_actions=True, allowed_hosts=LOOPBACK_HOSTS).test_client()
+    for host in FOREIGN_HOSTS:
+        for path in (
+            "/",
+            "/jobs",
+            "/jobs/every-minute",
+            "/delayed",
+            "/login",
+            "/static/anarchon.js",
+        ):
+            response = client.get(path, headers={"Host": host})
+            assert response.status_code == 400, (host, path)
+            assert "every-minute" not in response.get_data(as_text=True)
+        refused = client.post("/jobs/every-minute/pause", headers={"Host": host}, data={})
+        assert refused.status_code == 400
+    for host in ("localhost", "localhost:5580", "127.0.0.1:80", "[::1]:5580", "[::1]", "LOCALHOST"):
+        assert client.get("/jobs", headers={"Host": host}).status_code == 200, host
+    named = create_app(sqlite_app, allowed_hosts=["anarchon.example.com", ".ops.example"])
+    named_client = named.test_client()
+    for host in ("anarchon.example.com:443", "ops.example", "web.ops.example"):
+        assert named_client.get("/jobs", headers={"Host": host}).status_code == 200, host
+    for host in ("localhost", "evil.example", "ops.example.evil"):
+        assert named_client.get("/jobs", headers={"Host": host}).status_code == 400, host
+    # Mounted into a site (no allowed_hosts): the site checks the host itself.
+    mounted = create_app(sqlite_app).test_client()
+    assert mounted.get("/jobs", headers={"Host": "evil.example"}).status_code == 200
+    with pytest.raises(ConfigurationError, match="no host name"):
+        create_app(sqlite_app, allowed_hosts=["not a host"])
+
+
+def _served_app(monkeypatch: pytest.MonkeyPatch, app: Celery, *args: str) -> tuple[Any, Any]:
+    """The command's result and the WSGI app it would serve."""
+    import waitress
+
+    served: list[Any] = []
+    monkeypatch.setattr(waitress, "serve", lambda wsgi, **kw: served.append(wsgi))
+    result = _invoke(app, "web", *args)
+    return result, served[-1] if served else None
+
+
+def test_the_command_answers_only_its_host_names(
+    sqlite_app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def status(wsgi: Any, host: str) -> int:
+        code: int = wsgi.test_client().get("/jobs", headers={"Host": host}).status_code
+        return code
+
+    result, wsgi = _served_app(monkeypatch, sqlite_app)
+    assert result.exit_code == 0, result.output
+    assert status(wsgi, "evil.example") == 400 and status(wsgi, "localhost:5580") == 200
+    assert status(wsgi, "127.0.0.1:5580") == 200 and status(wsgi, "[::1]:5580") == 200
+    result, wsgi = _served_app(
+        monkeypatch, sqlite_app, "--allowed-host", "anarchon.example.com", "--allowed-host", "ops"
+    )
+    assert result.exit_code == 0, result.output
+    assert status(wsgi, "anarchon.example.com") == 200 and status(wsgi, "ops:8080") == 200
+    assert status(wsgi, "localhost") == 200 and status(wsgi, "evil.example") == 400
+    result, wsgi = _served_app(
+        monkeypatch, sqlite_app, "--bind", "0.0.0.0", "--allowed-host", "anarchon.example.com"
+    )
+    assert status(wsgi, "anarchon.example.com") == 200 and status(wsgi, "localhost") == 400
+    result, wsgi = _served_app(monkeypatch, sqlite_app, "--bind", "0.0.0.0")
+    assert status(wsgi, "evil.example") == 200  # no names given: it cannot know them
+    assert "Without --allowed-host it answers to any Host header" in result.stderr
+    refused, _ = _served_app(monkeypatch, sqlite_app, "--allowed-host", "not a host")
+    assert refused.exit_code != 0 and "no host name" in refused.stderr
+
+
+def test_bound_elsewhere_the_command_warns_though_a_token_is_set(
+    sqlite_app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The token guards the actions only: the reads stay open, so the
+    warning does not depend on it."""
+    assert sqlite_app.conf.anarchon_web_token == TOKEN
+    result, _ = _served_app(monkeypatch, sqlite_app, "--bind", "0.0.0.0", "--allow-actions")
+    assert result.exit_code == 0, result.output
+    warning = result.stderr
+    assert "WARNING: serving on 0.0.0.0, reachable from other hosts" in warning
+    assert "open to anyone who reaches the port" in warning
+    assert "the token guards only the actions" in warning and "authenticating proxy" in warning
+    quiet, _ = _served_app(monkeypatch, sqlite_app, "--bind", "::1", "--allow-actions")
+    assert quiet.exit_code == 0 and "WARNING" not in quiet.stderr
+
+
+def _cookie(client: FlaskClient) -> str:
+    cookie = client.get_cookie("anarchon_session")
+    assert cookie is not None
+    return cookie.value
+
+
+def test_signing_out_ends_the_session_for_a_copied_cookie_too(
+    sqlite_app: Celery, sqlite_client: FlaskClient
+) -> None:
+    csrf = sign_in(sqlite_client)
+    copy = sqlite_client.application.test_client()
+    copy.set_cookie("anarchon_session", _cookie(sqlite_client))
+    assert 'id="action-pause"' in text(copy, "/jobs/every-minute")  # the copy is signed in
+    assert sqlite_client.post("/logout", data={"csrf": csrf}).status_code == 302
+    assert 'id="sign-in"' in text(sqlite_client, "/jobs")
+    assert 'id="action-pause"' not in text(copy, "/jobs/every-minute")
+    response = copy.post("/jobs/every-minute/pause", data={"csrf": csrf})
+    assert response.status_code == 403 and "not signed in" in response.get_data(as_text=True)
+    assert not pause_of(sqlite_app, "every-minute")
+
+
+def test_the_session_cookie_keeps_nothing_derived_from_the_token(
+    sqlite_client: FlaskClient,
+) -> None:
+    """The cookie is readable by whoever holds it (signed, not encrypted):
+    it must hold only random ids, nothing to test token guesses against."""
+    web = sqlite_client.application
+    serializer = web.session_interface.get_signing_serializer(web)  # type: ignore[attr-defined]
+    sign_in(sqlite_client)
+    other = web.test_client()
+    sign_in(other)
+    first = serializer.loads(_cookie(sqlite_client))
+    second = serializer.loads(_cookie(other))
+    assert set(first) == set(second) == {"csrf", "sid"}
+    assert first["sid"] != second["sid"] and first["csrf"] != second["csrf"]
+    kept = json.dumps([first, second])
+    assert TOKEN not in kept
+    # what the cookie held before: HMAC(a fixed, public key, token)
+    assert hmac.new(b"anarchon-web-session", TOKEN.encode(), "sha256").hexdigest() not in kept
+
+
+def test_sign_out_needs_the_forms_csrf_token(
+    sqlite_app: Celery, sqlite_client: FlaskClient
+) -> None:
+    csrf = sign_in(sqlite_client)
+    for form in ({}, {"csrf": ""}, {"csrf": "forged"}):
+        assert sqlite_client.post("/logout", data=form).status_code == 403
+    assert 'id="sign-out"' in text(sqlite_client, "/jobs")  # still signed in
+    assert sqlite_client.post("/jobs/every-minute/pause", data={"csrf": csrf}).status_code == 303
+    page = text(sqlite_client, "/jobs")  # its only post form is the sign-out's
+    assert sqlite_client.post("/logout", data={"csrf": csrf_of(page)}).status_code == 302
+    assert 'id="sign-in"' in text(sqlite_client, "/jobs")
+
+
+def test_the_delayed_page_names_the_delayed_store_when_it_is_down(tmp_path: Path) -> None:
+    down = f"redis://user:hunter2@127.0.0.1:{_free_port()}/0?socket_timeout=1"
+    app = make_app(f"sqlite:///{tmp_path / 'claims.db'}", anarchon_delayed_backend=down)
+    made = backend_from_url(app.conf.anarchon_backend, instance="test-writer")
+    made.open()
+    made.close()
+    client = create_app(app).test_client()
+    page = text(client, "/delayed")
+    banner = page.split('id="banner"')[1].split("</div>")[0]
+    assert "The delayed store (anarchon_delayed_backend) does not answer" in banner
+    assert "claim backend" not in banner and "hunter2" not in page
+    assert 'id="banner"' not in text(client, "/")  # the claim backend answers
+
+
+def test_the_cluster_page_shows_the_backend_clock_as_status_does(
+    kind: str, celery_app: Celery, backend: Backend
+) -> None:
+    page = text(create_app(celery_app).test_client(), "/")
+    clock = page.split('id="backend-clock"')[1].split("</td>")[0]
+    status = _invoke(celery_app, "status").stdout
+    if kind == "sqlite":
+        assert "none (each host's own clock is used)" in clock
+        assert "backend clock: none (each host's own clock is used)" in status
+        assert 'id="backend-rtt">-<' in page and "no backend clock" not in page
+    else:
+        assert re.search(r">\d{4}-\d\d-\d\dT", clock), clock
+        assert re.search(r"backend clock: \d{4}-", status), status
+
+
+def test_an_actions_message_is_the_commands_with_the_jobs_own_version(
+    celery_app: Celery, client: FlaskClient
+) -> None:
+    """A stored job's version is what ``jobs`` shows; a pause writes no
+    version of the job, and a code entry has none: neither shows the
+    store's change counter as one."""
+    csrf = sign_in(client)
+
+    def flash(path: str, **form: str) -> str:
+        answer = client.post(path, data={"csrf": csrf, **form}, follow_redirects=True)
+        match = re.search(r'id="flash">([^<]*)<', answer.get_data(as_text=True))
+        assert match, answer.get_data(as_text=True)[:2000]
+        return match.group(1).replace("&#39;", "'")
+
+    def cli(*args: str) -> str:
+        result = _invoke(celery_app, *args)
+        assert result.exit_code == 0, result.output
+        return str(result.stdout.strip())
+
+    def version(name: str) -> int:
+        with Schedules(celery_app) as schedules:
+            return schedules.get(name).version
+
+    added = flash("/add", name="web-v", task="webtest.noop", every="5m")
+    first = version("web-v")
+    assert added == f"web-v: added (version {first})"
+    assert flash("/jobs/web-v/edit", every="10m") == f"web-v: updated (version {version('web-v')})"
+    own = version("web-v")
+    assert own > first
+    assert flash("/jobs/web-v/pause", note="freeze") == f"web-v: paused (freeze), version {own}"
+    assert cli("resume", "web-v") == f"web-v: resumed, version {own}"  # the command's line
+    assert flash("/jobs/web-v/pause") == f"web-v: paused, version {own}"
+    assert flash("/jobs/web-v/resume") == f"web-v: resumed, version {own}"
+    assert version("web-v") == own  # a pause and a resume write no version of the job
+    # A code entry has no version: none is shown, by the page nor by the command.
+    assert flash("/jobs/every-minute/pause", note="freeze") == "every-minute: paused (freeze)"
+    assert cli("resume", "every-minute") == "every-minute: resumed"
+    assert cli("pause", "every-minute") == "every-minute: paused"
+    assert flash("/jobs/every-minute/resume") == "every-minute: resumed"
+    removed = flash("/jobs/web-v/remove")
+    assert re.fullmatch(r"web-v: removed \(store version (\d+)\); its history stays", removed)
+    cli("add", "cli-v", "--task", "webtest.noop", "--every", "5m")
+    assert re.fullmatch(
+        r"cli-v: removed \(store version \d+\); its history stays", cli("remove", "cli-v")
+    )
+
+
+def test_add_and_edit_take_the_queue(sqlite_app: Celery, sqlite_client: FlaskClient) -> None:
+    csrf = sign_in(sqlite_client)
+    form = {"csrf": csrf, "name": "queued", "task": "webtest.noop", "every": "5m", "queue": "low"}
+    assert sqlite_client.post("/add", data=form).status_code == 303
+    with Schedules(sqlite_app) as schedules:
+        definition = schedules.get("queued").definition
+        assert definition is not None and definition.options == {"queue": "low"}
+    form_page = text(sqlite_client, "/jobs/queued/edit")
+    assert 'id="form-queue"' in form_page and "queue <code>low</code>" in form_page
+    edited = sqlite_client.post("/jobs/queued/edit", data={"csrf": csrf, "queue": "high"})
+    assert edited.status_code == 303
+    kept = sqlite_client.post("/jobs/queued/edit", data={"csrf": csrf, "every": "1h"})
+    assert kept.status_code == 303
+    with Schedules(sqlite_app) as schedules:
+        definition = schedules.get("queued").definition
+        assert definition is not None and definition.options == {"queue": "high"}
+
+
+def test_the_refresh_interval_reads_once_in_the_header(sqlite_client: FlaskClient) -> None:
+    """The select shows the interval; the status line beside it says only
+    when the page was rendered or refreshed (the script writes no interval
+    into it)."""
+    page = text(sqlite_client, "/jobs")
+    header = page.split('id="refresh"')[1].split("</div>")[0]
+    assert header.count("every") == 1 and 'id="refresh-status">rendered ' in header
+    script = sqlite_client.get("/static/anarchon.js").get_data(as_text=True)
+    writes = re.findall(r"status\.textContent = ([^;]+);", script)
+    assert writes and all("every" not in w and "seconds" not in w for w in writes), writes
+
+
+def test_times_stay_on_one_line(sqlite_client: FlaskClient) -> None:
+    page = text(sqlite_client, "/jobs")
+    row = page.split('data-job="every-minute"')[1].split("</tr>")[0]
+    assert re.search(r'<td class="time" title="[^"]*">\d{4}-\d\d-\d\dT[^<]*Z</td>', row), row
+    css = sqlite_client.get("/static/anarchon.css").get_data(as_text=True)
+    assert re.search(r"td\.time \{ white-space: nowrap; \}", css)

@@ -195,7 +195,7 @@ def cluster(tmp_path: Path) -> Iterator[tuple[BeatCluster, str, Celery]]:
     try:
         _seed_history(writer)
         with Schedules(app) as schedules:
-            schedules.add("tenant-42.export", "itest.noop", 30.0, kwargs={"tenant": 42})
+            schedules.add("tenant-42.export", "itest.noop", 30.0)
             schedules.add("cleanup.tmp", "itest.noop", 10.0)
         from celery_anarchon import delayed
 

@@ -4,22 +4,27 @@
 actions (run-now, pause, resume; add, edit, remove of stored jobs) are off
 unless ``allow_actions``, and then need the operator's token (the
 ``anarchon_web_token`` setting or the ``ANARCHON_WEB_TOKEN`` environment
-variable), given once on the sign-in page and kept in a signed session
-cookie, and a CSRF token in every form post. A refused action answers 403
-and changes nothing. docs/web.md describes the pages and the protection.
+variable), given once on the sign-in page, and a CSRF token in every form
+post. A sign-in puts a random session id in the signed session cookie and
+in this process's set of live sessions; signing out removes it, so a copied
+cookie stops working. A refused action answers 403 and changes nothing.
+With ``allowed_hosts``, a request whose ``Host`` is not one of them answers
+400 (DNS rebinding). docs/web.md describes the pages and the protection.
 """
 
 from __future__ import annotations
 
 import functools
 import hmac
+import ipaddress
 import json
 import logging
 import os
+import re
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from flask import Flask, flash, redirect, render_template, request, session, url_for
@@ -28,7 +33,7 @@ from werkzeug.wrappers import Response
 from ..backends import sanitize_url
 from ..checks import one_line
 from ..cli_common import Fail
-from ..cli_schedules import _json_option, _schedule
+from ..cli_schedules import _json_option, _schedule, pause_line
 from ..exceptions import AnarchonError, BackendMissing, BackendUnavailable, ConfigurationError
 from ..schedules import Schedules
 from .pages import (
@@ -43,7 +48,7 @@ from .pages import (
     now_text,
 )
 
-__all__ = ["TOKEN_ENV", "TOKEN_SETTING", "create_app", "web_token"]
+__all__ = ["LOOPBACK_HOSTS", "TOKEN_ENV", "TOKEN_SETTING", "create_app", "web_token"]
 
 #: What a page shows as a banner instead of its data: the backend does not
 #: answer, (SQLite) its file does not exist yet, or it is reachable but
@@ -59,6 +64,12 @@ TOKEN_ENV = "ANARCHON_WEB_TOKEN"
 #: The refresh interval a page starts with, and the choices, seconds (0: off).
 REFRESH_S = 10
 REFRESH_CHOICES = (0, 2, 5, 10, 30, 60)
+
+#: The host names of a page bound to a loopback address (any port).
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+
+#: Most live sessions a process keeps; the oldest sign-in goes first.
+MAX_SESSIONS = 1000
 
 
 def web_token(celery_app: Any) -> str | None:
@@ -110,12 +121,101 @@ class _Shared:
         return self._schedules
 
 
+class _Sessions:
+    """This process's live sessions: the random id a sign-in puts in the
+    session cookie. Signing out removes it, so a copy of the cookie stops
+    working; a restart forgets them all. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, float] = {}  # id -> sign-in time (time.time(), s)
+        self._lock = threading.Lock()
+
+    def start(self) -> str:
+        """A new live session; its id."""
+        sid = secrets.token_urlsafe(32)
+        with self._lock:
+            self._ids[sid] = time.time()
+            while len(self._ids) > MAX_SESSIONS:
+                del self._ids[next(iter(self._ids))]
+        return sid
+
+    def end(self, sid: object) -> None:
+        """Forget the session ``sid`` (nothing when unknown)."""
+        with self._lock:
+            if isinstance(sid, str):
+                self._ids.pop(sid, None)
+
+    def __contains__(self, sid: object) -> bool:
+        with self._lock:
+            return isinstance(sid, str) and sid in self._ids
+
+
+def _host_name(value: str) -> str | None:
+    """The name of a ``Host`` header without its port, lower case, an IPv6
+    literal in brackets (``[::1]:5580`` -> ``[::1]``); None when it is not
+    a host (RFC 9110 section 7.2: ``uri-host [ ":" port ]``)."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        name, bracket, port = value.partition("]")
+        name += bracket
+        if not bracket:
+            return None
+        try:
+            ipaddress.IPv6Address(name[1:-1])
+        except ValueError:
+            return None
+    else:
+        name, _, port = value.partition(":")
+        port = f":{port}" if port else ""
+        if not re.fullmatch(r"[a-z0-9.-]+", name):
+            return None
+    if port and not (re.fullmatch(r":[0-9]{1,5}", port) and int(port[1:]) <= 65535):
+        return None
+    return name
+
+
+def _allowed_names(hosts: Iterable[str]) -> tuple[str, ...]:
+    """``allowed_hosts`` as :func:`_host_name` gives them: lower case, the
+    port dropped, an IPv6 address in brackets (``::1`` -> ``[::1]``).
+
+    Raises:
+        ConfigurationError: a name that is no host name.
+    """
+    names = []
+    for host in hosts:
+        text = str(host).strip()
+        if text.count(":") > 1 and not text.startswith("["):
+            text = f"[{text}]"  # an IPv6 address without its brackets
+        suffix = text.startswith(".")
+        name = _host_name(text[1:] if suffix else text)
+        if not name:
+            raise ConfigurationError(
+                f"allowed host {host!r} is no host name: give a name (anarchon.example.com), "
+                "an address (10.0.0.7, [::1]), or .example.com for every name under it."
+            )
+        names.append(f".{name}" if suffix else name)
+    return tuple(names)
+
+
+def _host_allowed(host: str | None, allowed: tuple[str, ...]) -> bool:
+    """Whether a request's ``Host`` header names one of ``allowed`` (any
+    port; ``.example.com`` allows example.com and every name under it)."""
+    name = _host_name(host or "")
+    if not name:
+        return False
+    for ref in allowed:
+        if name == ref.lstrip(".") or (ref.startswith(".") and name.endswith(ref)):
+            return True
+    return False
+
+
 def create_app(
     celery_app: Any,
     *,
     allow_actions: bool = False,
     token: str | None = None,
     schedule_filename: str | None = None,
+    allowed_hosts: Iterable[str] | None = None,
 ) -> Flask:
     """The operator web app for ``celery_app``, as a Flask (WSGI) app.
 
@@ -126,11 +226,18 @@ def create_app(
             of stored jobs.
         token: the operator's token; default :func:`web_token`.
         schedule_filename: beat's ``-s`` file (default SQLite backend only).
+        allowed_hosts: the host names the page answers to (the ``Host``
+            header, any port; ``.example.com`` for every name under it);
+            any other answers 400, against DNS rebinding. None (the
+            default, for a page mounted into a site that checks the host
+            itself): every host. The command passes :data:`LOOPBACK_HOSTS`
+            when bound to a loopback address, and its ``--allowed-host``.
     Returns:
         the Flask app; mount it anywhere a WSGI app goes (docs/web.md).
     Raises:
-        ConfigurationError: ``allow_actions`` without a token, or a bad
-            setting (as beat would refuse).
+        ConfigurationError: ``allow_actions`` without a token, a name of
+            ``allowed_hosts`` that is no host name, or a bad setting (as
+            beat would refuse).
     """
     token = token or web_token(celery_app)
     if allow_actions and not token:
@@ -139,7 +246,9 @@ def create_app(
             f"configuration or the {TOKEN_ENV} environment variable, e.g. "
             f"{TOKEN_ENV}=$(python -c 'import secrets; print(secrets.token_urlsafe())')."
         )
+    allowed = None if allowed_hosts is None else _allowed_names(allowed_hosts)
     shared = _Shared(celery_app, schedule_filename)
+    sessions = _Sessions()
     app = Flask(__name__)
     app.secret_key = secrets.token_bytes(32)
     app.config.update(
@@ -151,7 +260,12 @@ def create_app(
     app_name = str(celery_app.main or "proj")
 
     def signed_in() -> bool:
-        return bool(allow_actions and token and session.get("signed_in") == _digest(token))
+        return bool(allow_actions and token and session.get("sid") in sessions)
+
+    def csrf_ok() -> bool:
+        sent = request.form.get("csrf", "")
+        expected = session.get("csrf")
+        return isinstance(expected, str) and hmac.compare_digest(sent.encode(), expected.encode())
 
     def csrf_token() -> str:
         value = session.get("csrf")
@@ -171,6 +285,27 @@ def create_app(
             "backend_name": sanitize_url(shared.control.backend.describe()),
             "now_text": now_text,
         }
+
+    @app.before_request
+    def _check_host() -> Response | None:
+        # Against DNS rebinding: a page of another site whose name is made
+        # to resolve to this address reaches it with its own name as Host.
+        # (Flask 3.1's TRUSTED_HOSTS would do this, but Werkzeug cannot
+        # match an IPv6 literal there: "[::1]" is cut at its first colon.)
+        if allowed is None or _host_allowed(request.headers.get("Host"), allowed):
+            return None
+        logger.warning(
+            "anarchon web: refused %s %s from %s: host %r is not allowed",
+            request.method,
+            request.path,
+            request.remote_addr,
+            request.headers.get("Host"),
+        )
+        body = (
+            "400: this page does not answer to that host name; to reach it by that "
+            "name, start it with --allowed-host NAME (or pass allowed_hosts).\n"
+        )
+        return Response(body, status=400, mimetype="text/plain")
 
     @app.after_request
     def _headers(response: Response) -> Response:
@@ -209,28 +344,26 @@ def create_app(
                 return refuse("actions are off (start the page with --allow-actions)")
             if not signed_in():
                 return refuse("not signed in: give the operator's token first")
-            sent = request.form.get("csrf", "")
-            expected = session.get("csrf")
-            if not isinstance(expected, str) or not hmac.compare_digest(
-                sent.encode(), expected.encode()
-            ):
+            if not csrf_ok():
                 return refuse("the form's CSRF token is missing or wrong: reload the page")
             return action(**kwargs)
 
         return view
 
     def audit(action: str, job: str, outcome: str) -> None:
-        logger.info(
-            "anarchon web: %s %r by %s: %s", action, job, request.remote_addr, sanitize_url(outcome)
-        )
+        """Log an action's outcome (the message shown, without the job's name
+        in front: the line names it)."""
+        outcome = sanitize_url(outcome.removeprefix(f"{job}: "))
+        logger.info("anarchon web: %s %r by %s: %s", action, job, request.remote_addr, outcome)
 
-    def banner_of(exc: BaseException) -> str:
+    def banner_of(exc: BaseException, what: str = "claim backend") -> str:
+        """The banner of a page whose store ``what`` cannot be read."""
         text = sanitize_url(one_line(exc))
         if isinstance(exc, BackendMissing):
-            return f"No claim backend yet: {text}"
+            return f"No {what} yet: {text}"
         if isinstance(exc, BackendUnavailable):
-            return f"The claim backend does not answer: {text}"
-        return f"The claim backend cannot be used as configured: {text}"
+            return f"The {what} does not answer: {text}"
+        return f"The {what} cannot be used as configured: {text}"
 
     def page(template: str, fragment: str, **values: Any) -> str:
         """The whole page, or (``?fragment=1``, the refresh) its live part."""
@@ -287,7 +420,12 @@ def create_app(
         try:
             values: dict[str, Any] = {"data": delayed_page(celery_app, search)}
         except _UNUSABLE as exc:
-            values = {"data": None, "banner": banner_of(exc)}
+            what = (
+                "delayed store (anarchon_delayed_backend)"
+                if celery_app.conf.get("anarchon_delayed_backend")
+                else "delayed store (in the claim backend)"
+            )
+            values = {"data": None, "banner": banner_of(exc, what)}
         return page("delayed.html", "_delayed.html", **values)
 
     # -- signing in -------------------------------------------------------------
@@ -298,23 +436,25 @@ def create_app(
             return refuse("actions are off (start the page with --allow-actions)")
         if request.method == "GET":
             return render_template("login.html")
-        sent = request.form.get("csrf", "")
-        expected = session.get("csrf")
-        if not isinstance(expected, str) or not hmac.compare_digest(
-            sent.encode(), expected.encode()
-        ):
+        if not csrf_ok():
             return refuse("the form's CSRF token is missing or wrong: reload the page")
         given = request.form.get("token", "")
         assert token is not None
         if not hmac.compare_digest(given.encode(), token.encode()):
             return refuse("wrong token")
-        session["signed_in"] = _digest(token)
+        # The cookie keeps a random id and nothing derived from the token.
+        sessions.end(session.get("sid"))
+        session.clear()
+        session["sid"] = sessions.start()
         session["csrf"] = secrets.token_urlsafe(32)  # a new one once signed in
         logger.info("anarchon web: operator signed in from %s", request.remote_addr)
         return redirect(url_for("jobs"))
 
     @app.post("/logout")
     def logout() -> Response:
+        if not csrf_ok():
+            return refuse("the form's CSRF token is missing or wrong: reload the page")
+        sessions.end(session.get("sid"))  # a copy of the cookie stops working too
         session.clear()
         return redirect(url_for("cluster"))
 
@@ -352,26 +492,32 @@ def create_app(
         audit("run-now", name, message)
         return done(name, message, result.sent)
 
+    def pause_or_resume(action: str, name: str) -> Response:
+        """Pause or resume ``name``; the outcome as the command prints it."""
+        note = request.form.get("note", "").strip()[:500] or None
+        try:
+            job = shared.control.read_jobs().get(name)
+            before = job.pause if job is not None else None
+            if action == "pause":
+                result = shared.schedules.pause(name, note)
+            else:
+                result = shared.schedules.resume(name)
+        except AnarchonError as exc:
+            return failed(action, name, exc, name)
+        changed = result.version != (before.version if before else 0)
+        message = pause_line(name, result, changed, job.version if job is not None else 0)
+        audit(action, name, message)
+        return done(name, message)
+
     @app.post("/jobs/<path:name>/pause")
     @guarded
     def pause(name: str) -> Response:
-        note = request.form.get("note", "").strip()[:500] or None
-        try:
-            shared.schedules.pause(name, note)
-        except AnarchonError as exc:
-            return failed("pause", name, exc, name)
-        audit("pause", name, "paused")
-        return done(name, f"{name}: paused")
+        return pause_or_resume("pause", name)
 
     @app.post("/jobs/<path:name>/resume")
     @guarded
     def resume(name: str) -> Response:
-        try:
-            shared.schedules.resume(name)
-        except AnarchonError as exc:
-            return failed("resume", name, exc, name)
-        audit("resume", name, "resumed")
-        return done(name, f"{name}: resumed")
+        return pause_or_resume("resume", name)
 
     @app.post("/jobs/<path:name>/remove")
     @guarded
@@ -380,8 +526,11 @@ def create_app(
             version = shared.schedules.remove(name)
         except AnarchonError as exc:
             return failed("remove", name, exc, name)
-        audit("remove", name, f"removed (version {version})")
-        return done(None, f"{name}: removed")
+        # As `remove` prints it: the removal's number in the store's change
+        # counter, which is no version of the job.
+        message = f"{name}: removed (store version {version}); its history stays"
+        audit("remove", name, message)
+        return done(None, message)
 
     @app.get("/add")
     def add_form() -> str | Response:
@@ -398,11 +547,12 @@ def create_app(
             if not name:
                 raise ConfigurationError("give the job's name")
             fields = _definition(form, require=True)
-            shared.schedules.add(name, **fields)
+            stored = shared.schedules.add(name, **fields)
         except (AnarchonError, Fail) as exc:
             return failed("add", name, exc, None)
-        audit("add", name, "added")
-        return done(name, f"{name}: added")
+        message = f"{name}: added (version {stored.version})"  # as `add` prints it
+        audit("add", name, message)
+        return done(name, message)
 
     @app.get("/jobs/<path:name>/edit")
     def edit_form(name: str) -> str | Response:
@@ -419,6 +569,7 @@ def create_app(
             "schedule": definition.describe_schedule(),
             "args": json.dumps(definition.args),
             "kwargs": json.dumps(definition.kwargs),
+            "queue": (definition.options or {}).get("queue") or "",
         }
         return render_template("job_form.html", mode="edit", name=name, current=current)
 
@@ -429,18 +580,16 @@ def create_app(
             fields = _definition(request.form, require=False)
             if not fields:
                 raise ConfigurationError("nothing to change: fill in a field")
-            shared.schedules.update(name, **fields)
+            if "options" in fields:  # a new queue keeps the other send options
+                current = shared.schedules.get(name).definition
+                fields["options"] = {**(current.options if current else {}), **fields["options"]}
+            stored = shared.schedules.update(name, **fields)
         except (AnarchonError, Fail) as exc:
             return failed("edit", name, exc, name)
-        audit("edit", name, f"updated {', '.join(sorted(fields))}")
-        return done(name, f"{name}: updated")
+        audit("edit", name, f"updated {', '.join(sorted(fields))} (version {stored.version})")
+        return done(name, f"{name}: updated (version {stored.version})")  # as `update` prints it
 
     return app
-
-
-def _digest(token: str) -> str:
-    """What the session keeps of a signed-in token: a hash, not the token."""
-    return hmac.new(b"anarchon-web-session", token.encode(), "sha256").hexdigest()
 
 
 def _is_stored(data: dict[str, Any]) -> bool:
@@ -452,7 +601,7 @@ def _definition(form: Any, *, require: bool) -> dict[str, Any]:
     """The fields of an add or edit form as :meth:`Schedules.add` or
     :meth:`Schedules.update` take them (the CLI's parsers: ``every`` as
     ``--every``, ``cron`` and ``tz`` as ``--cron`` and ``--tz``, ``args``
-    and ``kwargs`` as JSON).
+    and ``kwargs`` as JSON, ``queue`` as ``--queue``: the send option).
 
     Raises:
         Fail: a field the CLI would refuse.
@@ -477,4 +626,7 @@ def _definition(form: Any, *, require: bool) -> dict[str, Any]:
         fields["args"] = _json_option("args", args, list)
     if kwargs is not None:
         fields["kwargs"] = _json_option("kwargs", kwargs, dict)
+    queue = text("queue")
+    if queue is not None:
+        fields["options"] = {"queue": queue}
     return fields

@@ -42,6 +42,16 @@ def _loopback(host: str) -> bool:
     "the token of anarchon_web_token or ANARCHON_WEB_TOKEN.",
 )
 @click.option(
+    "--allowed-host",
+    "allowed_hosts",
+    multiple=True,
+    metavar="NAME",
+    help="A host name the page answers to (the Host header, any port; .example.com for "
+    "every name under it); repeat for more. Bound to a loopback address it answers to "
+    "localhost, 127.0.0.1 and [::1] too; any other host gets 400 (DNS rebinding). Give "
+    "the names a proxy or other hosts reach it by.",
+)
+@click.option(
     "-l",
     "--loglevel",
     type=click.Choice(LOG_LEVELS, case_sensitive=False),
@@ -51,7 +61,14 @@ def _loopback(host: str) -> bool:
 )
 @click.pass_context
 @handled
-def web(ctx: click.Context, bind: str, port: int, allow_actions: bool, loglevel: str) -> None:
+def web(
+    ctx: click.Context,
+    bind: str,
+    port: int,
+    allow_actions: bool,
+    allowed_hosts: tuple[str, ...],
+    loglevel: str,
+) -> None:
     """Serve the operator web page: the cluster, every job with its recent
     slots, each job's history, the delayed tasks; with --allow-actions the
     actions too. Binds 127.0.0.1 by default (docs/web.md)."""
@@ -64,7 +81,7 @@ def web(ctx: click.Context, bind: str, port: int, allow_actions: bool, loglevel:
     try:
         import waitress
 
-        from .app import create_app, web_token
+        from .app import LOOPBACK_HOSTS, create_app, web_token
     except ImportError as exc:
         exit_with(
             EXIT_CONFIG,
@@ -80,16 +97,26 @@ def web(ctx: click.Context, bind: str, port: int, allow_actions: bool, loglevel:
             "'import secrets; print(secrets.token_urlsafe())')",
             False,
         )
-    if not _loopback(bind) and not token:
+    hosts: tuple[str, ...] | None
+    if _loopback(bind):
+        hosts = (*LOOPBACK_HOSTS, *allowed_hosts)
+    else:
+        hosts = allowed_hosts or None
+        # The token guards the actions only: every page reads without it.
         click.echo(
-            f"WARNING: serving on {bind}, reachable from other hosts, and no token is set "
-            "(anarchon_web_token or ANARCHON_WEB_TOKEN): anyone who reaches the port can "
-            "read every job and its history. Bind 127.0.0.1, or put the page behind an "
-            "authenticating proxy.",
+            f"WARNING: serving on {bind}, reachable from other hosts: every page (each job, "
+            "its arguments, its history, the parked tasks) is open to anyone who reaches "
+            "the port; the token guards only the actions. Bind 127.0.0.1, or put the page "
+            "behind an authenticating proxy."
+            + ("" if hosts else " Without --allowed-host it answers to any Host header."),
             err=True,
         )
     wsgi = create_app(
-        app, allow_actions=allow_actions, token=token, schedule_filename=schedule_file(ctx)
+        app,
+        allow_actions=allow_actions,
+        token=token,
+        schedule_filename=schedule_file(ctx),
+        allowed_hosts=hosts,
     )
     actions = "actions on (token required)" if allow_actions else "read only"
     click.echo(f"celery anarchon web: http://{bind}:{port}/ ({actions})", err=True)

@@ -269,6 +269,8 @@ def cluster_page(control: Control, app_name: str, connect_ms: float) -> dict[str
         "totals": {state: counts.get(state, 0) for state in TOTAL_STATES},
         "jobs": len(jobs),
         "now": utc(now_ms),
+        # SQLite and RabbitMQ keep no clock: each host's own is used (as `status` says)
+        "backend_clock": report.backend_clock and probe_.backend_now_ms is not None,
     }
 
 

@@ -43,8 +43,9 @@
   function schedule() {
     if (timer !== null) { window.clearInterval(timer); timer = null; }
     var seconds = parseInt(select.value, 10);
+    // The select says the interval; the status says only when the page was
+    // last rendered or refreshed.
     if (seconds > 0) { timer = window.setInterval(refresh, seconds * 1000); }
-    status.textContent = seconds > 0 ? "refreshing every " + seconds + " s" : "refresh off";
   }
   select.addEventListener("change", function () {
     window.localStorage.setItem("anarchon-refresh", select.value);
