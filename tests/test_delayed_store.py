@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -334,6 +335,97 @@ def test_concurrent_takers_never_take_one_task_twice(make_store: StoreFactory) -
     assert set(every) == {t.id for t in tasks}  # none left behind
     if takers[0].kind != "sqlite":  # SQLite's writers take turns: one may take all
         assert sum(1 for result in results if result) >= 2  # they really ran together
+
+
+@pytest.mark.parametrize("make_store", ["mysql"], indirect=True)
+def test_concurrent_parks_and_releases_on_mysql_never_fail_on_a_deadlock(
+    make_store: StoreFactory,
+) -> None:
+    """Two parkers (batches of 20, half keyed, the same keys on both) and two
+    releasers (take, then finish or give back), each on a backend of its
+    own, for a few seconds: InnoDB picks deadlock victims among such
+    transactions, which the store runs again, so no call fails, and every
+    task parked is finished exactly once."""
+    parkers = [make_store() for _ in range(2)]
+    releasers = [make_store() for _ in range(2)]
+    parkers[0].count()  # the tables, before the clock starts
+    stop = time.monotonic() + 4.0
+    lock = threading.Lock()
+    failures: list[str] = []
+    parked_ids: set[str] = set()
+    finished: Counter[str] = Counter()
+    taken_now: set[str] = set()
+    overlaps: list[str] = []
+
+    def park(store: DelayedStore) -> None:
+        n = 0
+        while time.monotonic() < stop:
+            now = store.now_ms()
+            batch = [
+                parked(store, now, key=f"invoice-{i}" if i % 2 else None, n=i)
+                for i in range(n, n + 20)
+            ]
+            n += 20
+            try:
+                ids = store.park(batch)
+            except BackendUnavailable as exc:
+                with lock:
+                    failures.append(f"park: {exc}")
+                continue
+            with lock:
+                parked_ids.update(ids)
+
+    def release(store: DelayedStore, name: str) -> None:
+        takes = 0
+        while time.monotonic() < stop:
+            try:
+                taken = store.take_due(10, LEASE_MS, name)
+            except BackendUnavailable as exc:
+                with lock:
+                    failures.append(f"take_due: {exc}")
+                continue
+            if not taken:
+                time.sleep(0.005)
+                continue
+            ids = {t.task.id for t in taken}
+            with lock:
+                overlaps.extend(ids & taken_now)
+                taken_now.update(ids)
+            takes += 1
+            try:
+                if takes % 4 == 0:
+                    assert all(store.give_back(taken, store.now_ms(), "again", failed=False))
+                else:
+                    done = store.finish(taken)
+                    assert all(done)
+                    with lock:
+                        finished.update(ids)
+            except BackendUnavailable as exc:
+                with lock:
+                    failures.append(f"finish or give_back: {exc}")
+            with lock:
+                taken_now.difference_update(ids)
+
+    threads = [threading.Thread(target=park, args=(store,)) for store in parkers] + [
+        threading.Thread(target=release, args=(store, f"releaser-{i}"))
+        for i, store in enumerate(releasers)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert [f"{len(failures)} calls failed"] + failures[:3] == ["0 calls failed"]
+    store = releasers[0]
+    deadline = time.monotonic() + 10
+    while store.count():  # what was parked last and not yet taken
+        assert time.monotonic() < deadline, "parked tasks were left behind"
+        taken = store.take_due(500, LEASE_MS, "drain")
+        assert all(store.finish(taken))
+        finished.update(t.task.id for t in taken)
+    assert overlaps == []  # no task held by two leases at once
+    assert len(parked_ids) > 100  # they really ran
+    assert set(finished) == parked_ids  # none lost, none made up
+    assert [task_id for task_id, times in finished.items() if times != 1] == []
 
 
 # -- leases, take-over and fencing -----------------------------------------------

@@ -27,10 +27,50 @@ Every statement runs through the backend's bounded transactions (MySQL:
 ``READ COMMITTED``; SQLite: writes under ``BEGIN IMMEDIATE``), and every
 "now" is the backend's clock: MySQL ``UTC_TIMESTAMP(6)`` in whole
 milliseconds (one value per statement), SQLite this process's clock (SQLite
-serves one host). What each method of :class:`SQLDelayedStore` guarantees,
-and how:
+serves one host).
 
-* :meth:`~SQLDelayedStore.take_due` is one transaction: ``SELECT .. WHERE
+Deadlocks (MySQL/MariaDB). InnoDB breaks a deadlock at once by rolling one
+of its transactions back whole, with error 1213, and the manual's remedy is
+to run that transaction again
+(https://dev.mysql.com/doc/refman/8.4/en/innodb-error-handling.html,
+https://mariadb.com/docs/all/ref/mdb/error-codes/ER_LOCK_DEADLOCK/). So
+every write of the store is one transaction whose body runs afresh on each
+attempt (:meth:`SQLStore._transaction`): a victim runs again, up to
+:data:`DEADLOCK_ATTEMPTS` times in all, after a random wait of up to 20,
+40, 80, 160 ms, logged at DEBUG (INFO when it still fails); then it raises
+BackendUnavailable as any failure does. Running it again is sound because
+nothing of the victim stayed (the server rolled it back; no answer was
+given) and each body decides from its own locking reads. A lock wait
+timeout (1205) is not retried: the server rolled back only the waiting
+statement (``innodb_rollback_on_timeout`` is off by default; the backend
+then rolls back the rest), but it means a lock was held for the whole
+``innodb_lock_wait_timeout`` (the backend's ``statement_timeout``), so
+another attempt would most likely wait as long again, past the bound the
+caller was promised; it is BackendUnavailable at once.
+
+Fewer deadlocks, by locking in one order: a park takes the ``key`` index
+entry of a task before its row (a duplicate key is checked, then its row
+updated as a no-op), and goes keyless tasks first (by id: InnoDB keeps NULL
+keys first), then by key, the index's order (:func:`park_order`).
+:meth:`~SQLDelayedStore.finish` and :meth:`~SQLDelayedStore.give_back` lock
+the same way: keyless rows by id through the primary key, then keyed rows
+by key through the ``key`` index (entry, then row), and a finish deletes
+row by row (``DELETE .. WHERE id = ?``, a primary-key lookup: a ``DELETE
+.. WHERE id IN (..)`` was seen deadlocking with another one on rows
+neither named). Statements that lock by a list force their index (``FORCE
+INDEX``): on a small table the optimizer prefers a full scan, which would
+lock in the table's order. A take locks the fence row first, so
+concurrent takes queue on it holding nothing else. ``READ COMMITTED``
+(the backend's, for every transaction) helps too: searches take no gap
+locks (only duplicate-key checks do) and a locking read releases the rows
+that did not match; it is sound here because every decision is made on a
+locking read or by the writing statement's own ``WHERE``, never on a
+snapshot.
+
+What each method of :class:`SQLDelayedStore` guarantees, and how:
+
+* :meth:`~SQLDelayedStore.take_due` is one transaction: the fence row
+  locked (``SELECT .. FOR UPDATE``, MySQL), ``SELECT .. WHERE
   ready_ms <= now ORDER BY ready_ms, id LIMIT n FOR UPDATE SKIP LOCKED``
   (MySQL 8.0 and MariaDB 10.6 or later), which locks the due rows and skips
   those another taker holds, so concurrent takers never wait on each other
@@ -60,7 +100,8 @@ and how:
   is either cancelled or released, never both.
 * :meth:`~SQLDelayedStore.park` inserts with ``INSERT .. ON DUPLICATE KEY
   UPDATE id = id`` (MySQL, a no-op on a duplicate id or key) or ``INSERT ..
-  ON CONFLICT DO NOTHING`` (SQLite), in key order; a second insert of a key
+  ON CONFLICT DO NOTHING`` (SQLite), in the ``key`` index's order
+  (:func:`park_order`); a second insert of a key
   waits for the first's commit and then writes nothing. When the affected
   rows are fewer than the rows sent, the ids parked under the batch's keys
   and ids are read back (READ COMMITTED sees the first's row), so two
@@ -80,12 +121,13 @@ at the store, at most ``anarchon_delayed_poll`` (2 s) later.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql as mysql_sql
@@ -101,6 +143,8 @@ from .store import DelayedStore, Listener
 __all__ = ["MAX_KEY_BYTES", "SQLDelayedStore", "SQLStore", "DelayedTables"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Longest key (and task id), bytes of UTF-8, per dialect: MySQL/MariaDB
 #: InnoDB index keys hold at most 3,072 bytes with the default 16 KB pages
@@ -127,6 +171,17 @@ PURGE_BATCH = 10_000
 #: released or cancelled) between the insert and the read-back, before
 #: giving up.
 PARK_ROUNDS = 5
+
+#: How many times a write transaction runs in all when MySQL/MariaDB chose
+#: it as a deadlock victim (error 1213, the whole transaction rolled back),
+#: and the backoff before a new attempt: a random wait of up to
+#: ``DEADLOCK_BACKOFF_S * 2 ** (attempt - 1)`` seconds (the module docstring).
+DEADLOCK_ATTEMPTS = 5
+DEADLOCK_BACKOFF_S = 0.02
+
+#: ``ER_LOCK_DEADLOCK``: InnoDB rolled the whole transaction back to break a
+#: deadlock (https://dev.mysql.com/doc/refman/8.4/en/innodb-error-handling.html).
+ER_LOCK_DEADLOCK = 1213
 
 #: The fence row's name in ``P delayed_fence``.
 FENCE_NAME = "token"
@@ -284,6 +339,39 @@ def key_order(tasks: Sequence[Parked]) -> list[int]:
     )
 
 
+def park_order(tasks: Sequence[Parked]) -> list[int]:
+    """MySQL/MariaDB and SQLite: the indexes of ``tasks`` in the order of
+    the ``key`` index, keyless ones first (by id: InnoDB keeps NULL entries
+    first, by primary key), then by key (UTF-8 bytes order as code points
+    do), so every park and every release locks index entries in one order
+    (the module docstring)."""
+    return sorted(
+        range(len(tasks)), key=lambda i: (tasks[i].key is not None, tasks[i].key or tasks[i].id)
+    )
+
+
+def _deadlocked(exc: BaseException) -> bool:
+    """True when ``exc`` (a BackendUnavailable from the backend) was caused
+    by MySQL/MariaDB's deadlock error 1213 (:data:`ER_LOCK_DEADLOCK`)."""
+    cause = exc.__cause__
+    orig = getattr(cause, "orig", None) or cause
+    if orig is None or not type(orig).__module__.startswith("pymysql"):
+        return False
+    args: tuple[Any, ...] = tuple(getattr(orig, "args", ()))
+    return bool(args) and args[0] == ER_LOCK_DEADLOCK
+
+
+def _by_index(stmt: Any, table: sa.Table, index: str) -> Any:
+    """``stmt`` with ``FORCE INDEX (<index>)`` on MySQL (nothing elsewhere):
+    on a small table the optimizer prefers a full scan, and a locking full
+    scan waits for every row another transaction holds."""
+    name = index if index == "PRIMARY" else "`" + index.replace("`", "``") + "`"
+    hint = f"FORCE INDEX ({name})"
+    if isinstance(stmt, sa.Select):
+        return stmt.with_hint(table, hint, "mysql")
+    return stmt.with_hint(hint, dialect_name="mysql")
+
+
 class SQLStore(DelayedStore):
     """What every SQL store shares: the tables, the transactions, the reads
     and the purge of expired start marks. Subclasses create the tables
@@ -291,7 +379,8 @@ class SQLStore(DelayedStore):
 
     Raises, for every method: :class:`~celery_anarchon.exceptions.BackendUnavailable`
     when the database cannot be reached, fails, or does not answer within the
-    backend's ``statement_timeout`` (plus a second); a write that raised it
+    backend's ``statement_timeout`` (plus a second), or stays a deadlock
+    victim for :data:`DEADLOCK_ATTEMPTS` attempts; a write that raised it
     was rolled back unless it had committed.
     """
 
@@ -301,6 +390,8 @@ class SQLStore(DelayedStore):
     def __init__(self, backend: SQLBackend, *, fence: bool) -> None:
         self.backend = backend
         self._tables = DelayedTables.under(backend.prefix, fence=fence)
+        #: the unique index on ``key`` (its constraint's name)
+        self._key_index = f"{backend.prefix}delayed_key"
         self._ready = False
         self._purge_after = 0.0
 
@@ -328,6 +419,44 @@ class SQLStore(DelayedStore):
         self._ensure_tables()
         with self.backend._read(what) as conn:
             yield conn
+
+    def _transaction(self, what: str, body: Callable[[Connection], T]) -> T:
+        """``body(conn)`` in a write transaction (:meth:`_write`), run whole
+        again when MySQL/MariaDB chose it as a deadlock victim (1213: the
+        server rolled all of it back), up to :data:`DEADLOCK_ATTEMPTS` times
+        in all, after a short random wait (the module docstring). ``body``
+        must keep nothing from a failed attempt: each run starts afresh.
+
+        Raises:
+            BackendUnavailable: as :meth:`_write`; after the last attempt,
+                the last deadlock's.
+        """
+        attempt = 1
+        while True:
+            try:
+                with self._write(what) as conn:
+                    return body(conn)
+            except BackendUnavailable as exc:
+                if attempt >= DEADLOCK_ATTEMPTS or not _deadlocked(exc):
+                    if attempt > 1:
+                        logger.info(
+                            "anarchon: %s failed on attempt %d of %d: %s",
+                            what,
+                            attempt,
+                            DEADLOCK_ATTEMPTS,
+                            exc,
+                        )
+                    raise
+                wait_s = random.uniform(0, DEADLOCK_BACKOFF_S * 2 ** (attempt - 1))
+                logger.debug(
+                    "anarchon: %s was a deadlock victim (attempt %d of %d); again in %.3fs",
+                    what,
+                    attempt,
+                    DEADLOCK_ATTEMPTS,
+                    wait_s,
+                )
+                time.sleep(wait_s)
+                attempt += 1
 
     def _ensure_tables(self) -> None:
         if not self._ready:
@@ -467,8 +596,10 @@ class SQLStore(DelayedStore):
             return
         purged = 0
         try:
-            with self._write("purge delayed start marks") as conn:
-                purged = conn.execute(self._purge_statement()).rowcount
+            purged = self._transaction(
+                "purge delayed start marks",
+                lambda conn: int(conn.execute(self._purge_statement()).rowcount),
+            )
         except BackendUnavailable as exc:
             logger.warning("anarchon: purging expired start marks failed: %s", exc)
         self._purge_after = time.monotonic() + (0.0 if purged >= PURGE_BATCH else PURGE_EVERY_S)
@@ -650,8 +781,10 @@ class SQLDelayedStore(SQLStore):
         A task whose ``key`` names a parked task (pending or in flight) is
         not written and answers that task's id; a task whose ``id`` is
         parked already is not written either (nothing is overwritten) and
-        answers its id. The rows go in ordered by key, so two concurrent
-        batches of the same keys queue instead of deadlocking. Announced to
+        answers its id. The rows go in the ``key`` index's order
+        (:func:`park_order`), so two concurrent batches of the same keys
+        queue instead of deadlocking; a transaction MySQL still picks as a
+        deadlock victim runs again (:meth:`SQLStore._transaction`). Announced to
         this process's listeners when a task is due before what was the
         earliest ``ready_ms`` (or the table was empty).
 
@@ -663,10 +796,11 @@ class SQLDelayedStore(SQLStore):
                 (the transaction is rolled back).
         """
         self._check_keys(tasks)
-        answers: list[str | None] = [None] * len(tasks)
-        todo = key_order(tasks)
         listening = _WAKES.listening(self._topic)
-        with self._write("park delayed tasks") as conn:
+
+        def body(conn: Connection) -> tuple[list[str | None], int | None]:
+            answers: list[str | None] = [None] * len(tasks)
+            todo = park_order(tasks)
             head = self._head_ms(conn) if listening else None
             for _ in range(PARK_ROUNDS):
                 if not todo:
@@ -685,6 +819,9 @@ class SQLDelayedStore(SQLStore):
                     f"{self.describe()}: park of {tasks[todo[0]].id!r} kept conflicting with "
                     f"a row that vanished before it could be read ({PARK_ROUNDS} rounds)"
                 )
+            return answers, head
+
+        answers, head = self._transaction("park delayed tasks", body)
         if listening and tasks:
             earliest = min(int(task.due_ms) for task in tasks)
             if head is None or earliest < head:
@@ -722,9 +859,8 @@ class SQLDelayedStore(SQLStore):
         """The id of the task parked under ``key_or_id`` as a key (its row
         locked, MySQL), else ``key_or_id`` itself."""
         t = self._tables.delayed
-        keyed = conn.execute(
-            sa.select(t.c.id).where(t.c.key == key_or_id).with_for_update()
-        ).scalar()
+        by_key = sa.select(t.c.id).where(t.c.key == key_or_id).with_for_update()
+        keyed = conn.execute(_by_index(by_key, t, self._key_index)).scalar()
         return key_or_id if keyed is None else str(keyed)
 
     def cancel(self, key_or_id: str) -> bool:
@@ -738,10 +874,13 @@ class SQLDelayedStore(SQLStore):
         t = self._tables.delayed
         if self._absent():
             return False
-        with self._write("cancel a delayed task") as conn:
+
+        def body(conn: Connection) -> bool:
             target = self._target(conn, key_or_id)
             stmt = sa.delete(t).where(t.c.id == target, t.c.token == 0)
             return bool(conn.execute(stmt).rowcount == 1)
+
+        return self._transaction("cancel a delayed task", body)
 
     def reschedule(self, key_or_id: str, due_ms: int) -> bool:
         """Move a pending task (by key first, then by id) to ``due_ms``
@@ -757,11 +896,14 @@ class SQLDelayedStore(SQLStore):
         if self._absent():
             return False
         listening = _WAKES.listening(self._topic)
-        with self._write("reschedule a delayed task") as conn:
+
+        def body(conn: Connection) -> tuple[bool, int | None]:
             head = self._head_ms(conn) if listening else None
             target = self._target(conn, key_or_id)
             stmt = sa.update(t).where(t.c.id == target, t.c.token == 0).values(ready_ms=int(due_ms))
-            done = conn.execute(stmt).rowcount == 1
+            return conn.execute(stmt).rowcount == 1, head
+
+        done, head = self._transaction("reschedule a delayed task", body)
         if done and listening and (head is None or due_ms < head):
             _WAKES.announce(self._topic)
         return bool(done)
@@ -794,31 +936,46 @@ class SQLDelayedStore(SQLStore):
             .limit(int(limit))
             .with_for_update(skip_locked=True)
         )
-        taken: list[Taken] = []
-        with self._write("take due delayed tasks") as conn:
+
+        def body(conn: Connection) -> list[Taken]:
+            self._lock_fence(conn)
             rows = conn.execute(due).all()
-            if rows:
-                now_ms = int(rows[0].now_ms)
-                token = self._next_token(conn)
-                ids = [row.id for row in rows]
-                for run in _runs(ids):
-                    conn.execute(
-                        sa.update(t)
-                        .where(t.c.id.in_(run))
-                        .values(token=token, ready_ms=now_ms + int(lease_ms), owner=owner)
-                    )
-                taken = [
-                    row_taken(
-                        row,
-                        token=token,
-                        was_token=row.token,
-                        was_ready_ms=row.ready_ms,
-                        now_ms=now_ms,
-                    )
-                    for row in rows
-                ]
+            if not rows:
+                return []
+            now_ms = int(rows[0].now_ms)
+            token = self._next_token(conn)
+            for run in _runs(sorted(row.id for row in rows)):
+                lease = (
+                    sa.update(t)
+                    .where(t.c.id.in_(run))
+                    .values(token=token, ready_ms=now_ms + int(lease_ms), owner=owner)
+                )
+                conn.execute(_by_index(lease, t, "PRIMARY"))
+            return [
+                row_taken(
+                    row,
+                    token=token,
+                    was_token=row.token,
+                    was_ready_ms=row.ready_ms,
+                    now_ms=now_ms,
+                )
+                for row in rows
+            ]
+
+        taken = self._transaction("take due delayed tasks", body)
         self._purge_started()
         return taken
+
+    def _lock_fence(self, conn: Connection) -> None:
+        """MySQL: lock the fence row (``SELECT .. FOR UPDATE``) before a take
+        reads any due row, so concurrent takes queue on it holding nothing
+        else: a take that first locked index entries of the due rows and then
+        waited for the fence could deadlock with the take holding the fence
+        and updating those rows. SQLite: nothing (the write lock is held)."""
+        fence = self._tables.fence
+        if self.kind != "mysql" or fence is None:
+            return
+        conn.execute(sa.select(fence.c.value).where(fence.c.name == FENCE_NAME).with_for_update())
 
     def _next_token(self, conn: Connection) -> int:
         """The next fencing token: the fence row counted up and read, in
@@ -840,19 +997,39 @@ class SQLDelayedStore(SQLStore):
 
     def _current(self, conn: Connection, taken: Sequence[Taken]) -> set[str]:
         """The ids of ``taken`` whose lease is still current (``id`` and
-        ``token`` match), their rows locked (MySQL) until the commit."""
+        ``token`` match), their rows locked (MySQL) until the commit: the
+        keyless ones by id through the primary key, then the keyed ones by
+        key through the ``key`` index, the order in which a park locks them
+        (:func:`park_order`, the module docstring)."""
         t = self._tables.delayed
         wanted = {(item.task.id, int(item.token)) for item in taken if item.token > 0}
         tokens = sorted({token for _, token in wanted})
+        keyless = sorted({item.task.id for item in taken if item.token > 0 and not item.task.key})
+        keys = sorted({item.task.key for item in taken if item.token > 0 and item.task.key})
         current: set[str] = set()
-        for run in _runs(sorted({task_id for task_id, _ in wanted})):
-            rows = conn.execute(
-                sa.select(t.c.id, t.c.token)
-                .where(t.c.id.in_(run), t.c.token.in_(tokens))
-                .with_for_update()
-            )
-            current.update(row.id for row in rows if (row.id, int(row.token)) in wanted)
+        for column, index, run_of in (
+            (t.c.id, "PRIMARY", keyless),
+            (t.c.key, self._key_index, keys),
+        ):
+            for run in _runs(run_of):
+                locked = (
+                    sa.select(t.c.id, t.c.token)
+                    .where(column.in_(run), t.c.token.in_(tokens))
+                    .order_by(column)
+                    .with_for_update()
+                )
+                rows = conn.execute(_by_index(locked, t, index))
+                current.update(row.id for row in rows if (row.id, int(row.token)) in wanted)
         return current
+
+    def _delete_ids(self, conn: Connection, ids: Sequence[str]) -> None:
+        """Delete the rows of ``ids`` (locked already), one ``DELETE .. WHERE
+        id = ?`` each, in id order (a primary-key lookup: no other row is
+        read or locked)."""
+        t = self._tables.delayed
+        if ids:
+            stmt = sa.delete(t).where(t.c.id == sa.bindparam("gone", type_=t.c.id.type))
+            conn.execute(stmt, [{"gone": task_id} for task_id in sorted(ids)])
 
     def finish(self, taken: Sequence[Taken]) -> list[bool]:
         """Delete released tasks: per task True when its lease was still
@@ -860,11 +1037,13 @@ class SQLDelayedStore(SQLStore):
         took it over."""
         if not taken:
             return []
-        t = self._tables.delayed
-        with self._write("finish delayed tasks") as conn:
+
+        def body(conn: Connection) -> set[str]:
             current = self._current(conn, taken)
-            for run in _runs(sorted(current)):
-                conn.execute(sa.delete(t).where(t.c.id.in_(run)))
+            self._delete_ids(conn, sorted(current))
+            return current
+
+        current = self._transaction("finish delayed tasks", body)
         return [item.task.id in current for item in taken]
 
     def give_back(
@@ -880,10 +1059,15 @@ class SQLDelayedStore(SQLStore):
         values: dict[str, Any] = {"token": 0, "ready_ms": int(retry_at_ms), "owner": None}
         if failed:
             values.update(attempts=t.c.attempts + 1, error=error[:ERROR_CHARS])
-        with self._write("give back delayed tasks") as conn:
+
+        def body(conn: Connection) -> set[str]:
             current = self._current(conn, taken)
             for run in _runs(sorted(current)):
-                conn.execute(sa.update(t).where(t.c.id.in_(run)).values(**values))
+                back = sa.update(t).where(t.c.id.in_(run)).values(**values)
+                conn.execute(_by_index(back, t, "PRIMARY"))
+            return current
+
+        current = self._transaction("give back delayed tasks", body)
         return [item.task.id in current for item in taken]
 
     # -- the worker's start gate ---------------------------------------------------
@@ -908,9 +1092,12 @@ class SQLDelayedStore(SQLStore):
             id=task_id, keep_until_ms=now + max(1, int(keep_ms)), owner=owner or None
         )
         options = {"preserve_rowcount": True}
-        with self._write("mark a delayed task started") as conn:
+
+        def body(conn: Connection) -> bool:
             conn.execute(forget)
             return bool(conn.execute(mark, execution_options=options).rowcount == 1)
+
+        return self._transaction("mark a delayed task started", body)
 
     def _purge_statement(self) -> Any:
         """MySQL: ``DELETE .. WHERE keep_until_ms <= now ORDER BY
