@@ -334,6 +334,14 @@ class Releaser:
                 self.counts.superseded += 1
             if not task.taken_over:
                 self.counts.lateness_ms.append(max(0, sent_at_ms - task.task.due_ms))
+        if sent:
+            shown = ", ".join(f"{t.task.task}[{t.task.id}]" for t in sent[:3])
+            logger.info(
+                "anarchon: released %d parked task(s): %s%s",
+                len(sent),
+                shown,
+                f" and {len(sent) - 3} more" if len(sent) > 3 else "",
+            )
         self.counts.released += len(sent)
         self.metrics.delayed_released(len(sent), over)
         self._give_back_failed(taken, outcomes)
