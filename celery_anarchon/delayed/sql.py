@@ -762,8 +762,9 @@ class SQLDelayedStore(SQLStore):
         logger.warning(
             "anarchon: parked tasks are kept in a local SQLite file (%s): beats on this "
             "host never release one twice, but beats and clients on other hosts do not see "
-            "them. To park and release on several hosts, set anarchon_backend to a shared "
-            "Redis, PostgreSQL or MySQL URL.",
+            "them. To park and release on several hosts, set anarchon_backend (or "
+            "anarchon_delayed_backend, for the parked tasks alone) to a shared Redis, "
+            "PostgreSQL or MySQL URL.",
             self.backend._url.database,
         )
 
