@@ -95,17 +95,21 @@ def test_a_beat_on_rabbitmq_releases_tasks_parked_in_redis_to_a_worker_once(
         assert found is not None and found.id == keyed
         assert delayed.count(app) == 21
         ids.append(keyed)
+        first = delayed.get(app, ids[0])
+        assert first is not None
+        parking = first.decoded()["parking"]
         deadline = time.time() + 60
         while len(stamped(out)) < len(ids) and time.time() < deadline:
             time.sleep(0.3)
-        # A second delivery of a released id: the worker's gate, on the
-        # same Redis store, discards it.
+        # A second delivery of a released task (the same headers, as a
+        # take-over publishes them): the worker's gate, on the same Redis
+        # store, discards it.
         app.send_task(
             "itest.stamp",
             (str(out), "0"),
             task_id=ids[0],
             queue=cluster.queue,
-            headers={"anarchon_delayed": "test"},
+            headers={"anarchon_delayed": "test", "anarchon_parking": parking},
         )
         time.sleep(3)
         runs = stamped(out)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -64,14 +65,23 @@ def publish_persistent(port: int, vhost: str, queue: str) -> None:
         conn.close()
 
 
-def count_messages(port: int, vhost: str, queue: str) -> int:
-    conn = amqp.Connection(f"127.0.0.1:{port}", virtual_host=vhost, connect_timeout=5)
-    conn.connect()
-    try:
-        _, count, _ = conn.channel().queue_declare(queue, durable=True, passive=True)
-        return int(count)
-    finally:
-        conn.close()
+def count_messages(port: int, vhost: str, queue: str, wait_s: float = 20.0) -> int:
+    """The messages in ``queue``. A node that was just started accepts
+    connections before it has recovered its vhosts' durable queues, so a
+    NOT_FOUND is asked again for up to ``wait_s`` seconds."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        conn = amqp.Connection(f"127.0.0.1:{port}", virtual_host=vhost, connect_timeout=5)
+        conn.connect()
+        try:
+            _, count, _ = conn.channel().queue_declare(queue, durable=True, passive=True)
+            return int(count)
+        except amqp.exceptions.NotFound:
+            if time.monotonic() >= deadline:
+                raise
+        finally:
+            conn.close()
+        time.sleep(0.5)
 
 
 @pytest.mark.services
