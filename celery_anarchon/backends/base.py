@@ -14,6 +14,8 @@ implements. It is small, batched, and each call is atomic on the backend:
 * :meth:`Backend.history`, :meth:`Backend.last_run`,
   :meth:`Backend.last_slots` -- read per-job history;
   :meth:`Backend.history_many` -- the history of many jobs at once;
+  :meth:`Backend.state_counts`, :meth:`Backend.jobs_with_state` -- counts
+  by state, and the jobs with a state, over many jobs in a window;
 * :meth:`Backend.claim_manual` -- the claim behind ``run_now``;
 * :meth:`Backend.register` and the other registry calls -- the live
   instances.
@@ -45,7 +47,8 @@ import dataclasses
 import enum
 import math
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -554,6 +557,49 @@ class Backend(abc.ABC):
                 records = [r for r in records if r.slot_ms >= since_ms][:limit]
             found[job] = records
         return found
+
+    def state_counts(self, jobs: Collection[str], since_ms: int) -> dict[State, int]:
+        """How many history records of ``jobs`` with ``slot_ms >= since_ms``
+        (epoch ms, UTC: the slot's time, not when the record was written)
+        each state has: the Cluster page's last hour's totals. Every kept
+        record counts (a slot taken over has its ``superseded`` record and
+        the current one; manual runs count, under their claim time).
+        Records whose state this version does not know are left out, as
+        :meth:`history` leaves them out.
+
+        The default reads the records with :meth:`history_many` and counts
+        them; the SQL backend overrides it with one grouped statement.
+
+        Returns:
+            ``{state: count}``, states without such records left out.
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        counts: Counter[State] = Counter()
+        for records in self.history_many(list(dict.fromkeys(jobs)), since_ms=since_ms).values():
+            counts.update(record.state for record in records)
+        return dict(counts)
+
+    def jobs_with_state(
+        self, jobs: Collection[str], states: Collection[State], since_ms: int
+    ) -> set[str]:
+        """The jobs of ``jobs`` that have a history record in one of
+        ``states`` with ``slot_ms >= since_ms`` (epoch ms, UTC): the Jobs
+        page's state filters ("a miss in the last 24 h").
+
+        The default reads the records with :meth:`history_many`; the SQL
+        backend overrides it with one ``SELECT DISTINCT`` statement.
+
+        Returns:
+            those job names (a subset of ``jobs``).
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        wanted = frozenset(states)
+        if not wanted:
+            return set()
+        found = self.history_many(list(dict.fromkeys(jobs)), since_ms=since_ms)
+        return {job for job, records in found.items() if any(r.state in wanted for r in records)}
 
     def last_run(self, job: str) -> RunRecord | None:
         """The newest record of a run that was really sent (state ``sent``,

@@ -4,8 +4,12 @@ Each function takes a :class:`~celery_anarchon.control.Control` (and what
 the request asked for) and returns plain values for a template. The
 backend round trips of one render are bounded whatever the number of jobs:
 the Jobs page reads the history of the jobs it shows with one
-:meth:`~celery_anarchon.backends.base.Backend.history_many` call, and a
-filter or sort by state one more over every job; neither reads job by job.
+:meth:`~celery_anarchon.backends.base.Backend.history_many` call, a state
+filter asks :meth:`~celery_anarchon.backends.base.Backend.jobs_with_state`
+and the sort by last state reads the matching jobs' recent history; the
+Cluster page's totals are one
+:meth:`~celery_anarchon.backends.base.Backend.state_counts` call. None reads
+job by job.
 """
 
 from __future__ import annotations
@@ -155,10 +159,10 @@ class PageControl(Control):
             return jobs
 
 
-#: Most jobs in one history read over every job (the Cluster page's totals,
-#: a state filter): each read is one call to the backend, and a SQL backend's
-#: watchdog ends a call that outlasts ``statement_timeout`` (5 s), which the
-#: read of 100,000 jobs' history does on PostgreSQL.
+#: Most jobs in one history read over every job (the ``last`` sort): each
+#: read is one call to the backend, and a SQL backend's watchdog ends a call
+#: that outlasts ``statement_timeout`` (5 s), which the read of 100,000 jobs'
+#: history does on PostgreSQL.
 WIDE_CHUNK = 5000
 
 
@@ -247,10 +251,9 @@ def cluster_page(control: Control, app_name: str, connect_ms: float) -> dict[str
     jobs = control.read_jobs()
     since = now_ms - HOUR_MS
     counts: Counter[str] = Counter()
-    for records in recent_history(backend, list(jobs), since).values():
-        for record in records:
-            # "sent": every run that really went to the broker, whatever it became.
-            counts["sent" if record.state in SENT_STATES else record.state.value] += 1
+    for state, count in backend.state_counts(jobs, since).items():
+        # "sent": every run that really went to the broker, whatever it became.
+        counts["sent" if state in SENT_STATES else state.value] += count
     instances = [
         {
             **item,
@@ -356,9 +359,11 @@ def jobs_page(control: Control, query: JobsQuery, *, backend_up: bool = True) ->
     with a timeline of its last :data:`TIMELINE_SLOTS` slots.
 
     Backend round trips: the stored jobs and pauses (one read); with a
-    state filter or the ``last`` sort, one :meth:`history_many` over every
-    matching job; one :meth:`history_many` over the page's jobs; one run
-    count read when a job on the page has ``max_runs``.
+    state filter, one :meth:`~Backend.jobs_with_state` (one statement on
+    SQL; a read of every matching job's recent history elsewhere); with the
+    ``last`` sort, one :meth:`history_many` over every matching job; one
+    :meth:`history_many` over the page's jobs; one run count read when a
+    job on the page has ``max_runs``.
 
     Args:
         control: the control API.
@@ -381,13 +386,14 @@ def jobs_page(control: Control, query: JobsQuery, *, backend_up: bool = True) ->
         names = [n for n in names if jobs[n].source == query.source]
     if query.paused:
         names = [n for n in names if _paused(jobs[n])]
+    if query.state and backend_up:
+        _, states, look_back = FILTERS[query.state]
+        having = backend.jobs_with_state(names, states, now_ms - look_back)
+        names = [n for n in names if n in having]
     wide: dict[str, list[RunRecord]] = {}
-    if backend_up and (query.state or query.sort == "last"):
+    if backend_up and query.sort == "last" and names:
         look_back = FILTERS[query.state][2] if query.state else DAY_MS
         wide = recent_history(backend, names, now_ms - look_back)
-    if query.state and backend_up:
-        states = FILTERS[query.state][1]
-        names = [n for n in names if any(r.state in states for r in wide.get(n, ()))]
     if query.sort == "next":
         names.sort(key=lambda n: (_next(jobs[n], now_ms) or math.inf, n))
     elif query.sort == "last":

@@ -174,7 +174,13 @@ def _decode(body: bytes | str) -> list[dict[str, Any]]:
 
 
 class RabbitMQHistory(RabbitMQConnection):
-    """Appending to and reading the history streams."""
+    """Appending to and reading the history streams.
+
+    :meth:`~Backend.state_counts` and :meth:`~Backend.jobs_with_state` keep
+    the default (each job's history read, then counted here): a job's
+    records are in its own stream, and nothing indexes records of every
+    job by slot time or state.
+    """
 
     #: history_size last asked for each job (to declare its stream later).
     _history_sizes: dict[str, int]

@@ -61,7 +61,14 @@ def _text(value: str | bytes) -> str:
 
 
 class RedisHistory(RedisConnection):
-    """Reading history."""
+    """Reading history.
+
+    :meth:`~Backend.state_counts` and :meth:`~Backend.jobs_with_state` keep
+    the default (:meth:`history_many` and counting here): a job's records
+    live under keys of its own (``{PJ}:runs``, ``{PJ}:index``, by slot),
+    and no key indexes records of every job by slot time or state, so a
+    window over all jobs reads each job's records.
+    """
 
     def history(self, job: str, limit: int | None = None) -> list[RunRecord]:
         """The job's records, newest slot first (for one slot, the current

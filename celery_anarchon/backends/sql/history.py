@@ -6,7 +6,7 @@ import hashlib
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -32,6 +32,10 @@ MAX_DEFERRED_TRIMS = 20_000
 
 
 MAX_TRIM_WAIT_S = 60.0
+
+
+#: ``state`` column value -> State (a value this version does not know is absent).
+_STATES = {state.value: state for state in State}
 
 
 def _trim_every(history_size: int) -> int:
@@ -152,6 +156,57 @@ class SQLHistory(SQLConnection):
                     if record is not None:
                         found[record.job].append(record)
         return found
+
+    def state_counts(self, jobs: Collection[str], since_ms: int) -> dict[State, int]:
+        """:meth:`Backend.state_counts` in one statement over the window of
+        every job: ``SELECT job, state, count(*) .. WHERE slot_ms >= :since
+        GROUP BY job, state``, summed here over ``jobs`` (an ``IN`` list of
+        100,000 jobs would not fit one statement; the rows are one per job
+        and state in the window, not one per record). No index leads with
+        ``slot_ms`` (the key is ``(job, slot_ms, token)``): the statement
+        reads every kept record of the table.
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        runs = self._tables.runs
+        keys = {key_of(job) for job in jobs}
+        query = (
+            sa.select(runs.c.job, runs.c.state, sa.func.count())
+            .where(runs.c.slot_ms >= since_ms)
+            .group_by(runs.c.job, runs.c.state)
+        )
+        counts: dict[State, int] = {}
+        with self._read("count history by state") as conn:
+            for job, state, count in conn.execute(query):
+                known = _STATES.get(state)
+                if job in keys and known is not None:
+                    counts[known] = counts.get(known, 0) + int(count)
+        return counts
+
+    def jobs_with_state(
+        self, jobs: Collection[str], states: Collection[State], since_ms: int
+    ) -> set[str]:
+        """:meth:`Backend.jobs_with_state` in one statement: ``SELECT
+        DISTINCT job .. WHERE state IN (..) AND slot_ms >= :since``, kept
+        here to ``jobs``; it reads every kept record of the table, as
+        :meth:`state_counts` does.
+
+        Raises:
+            BackendUnavailable: no answer.
+        """
+        wanted = sorted({State(state).value for state in states})
+        if not wanted:
+            return set()
+        runs = self._tables.runs
+        names = {key_of(job): job for job in jobs}
+        query = (
+            sa.select(runs.c.job)
+            .where(runs.c.state.in_(wanted), runs.c.slot_ms >= since_ms)
+            .distinct()
+        )
+        with self._read("read jobs by state") as conn:
+            return {names[key] for (key,) in conn.execute(query) if key in names}
 
     def last_slots(self, jobs: Sequence[str]) -> dict[str, int]:
         """``job -> newest scheduled slot with a record`` for each of
