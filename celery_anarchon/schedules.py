@@ -190,6 +190,10 @@ class Schedules:
         job = job_from_stored(StoredJob(definition, 0, 0), self.app, self.settings, self._zone)
         check_backend_supports(self.backend, self.settings, job)
         entry = Entry(**dict(definition.entry_fields(), name=name, app=self.app))
+        # The task's signature is checked only when it is registered: import
+        # the modules a worker imports first, so a task of Celery's include
+        # is checked in a fresh process too.
+        registered = _registered(self.app, definition.task)
         problem = args_problem(self.app, name, entry)
         if problem is not None:
             where = f"beat_schedule[{name!r}]"
@@ -209,7 +213,7 @@ class Schedules:
                 f"slot after the change holds ({APPLY_DELAY_MS // 1000} s after it commits), so "
                 "it would never run. Fix: give a time further in the future."
             )
-        if not _registered(self.app, definition.task):
+        if not registered:
             logger.warning(
                 "anarchon: stored job %s: task %r is not registered in this app (a typo?); "
                 "beat sends it by name, and a worker without it refuses it",

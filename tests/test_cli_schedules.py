@@ -17,6 +17,7 @@ from celery import Celery
 
 from celery_anarchon.cli import EXIT_CONFIG, EXIT_OK, EXIT_PROBLEM, EXIT_UNREACHABLE, EXIT_USAGE
 from celery_anarchon.control import Control
+from celery_anarchon.exceptions import ConfigurationError
 from celery_anarchon.schedules import JobExists, Schedules
 from celery_anarchon.slots import cron
 
@@ -595,3 +596,22 @@ def test_a_task_of_an_included_module_is_known_and_a_typo_is_warned(
         schedules.add("typo", f"{module}.helo", 60.0)
     warned = [r for r in caplog.records if "not registered" in r.getMessage()]
     assert len(warned) == 1 and f"{module}.helo" in warned[0].getMessage()
+
+
+def test_the_first_add_in_a_process_checks_the_args_of_an_included_task(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The included modules are imported before the arguments are checked,
+    so the first add of a fresh process refuses arguments its task's
+    signature refuses (it was let through while the task was unknown)."""
+    module = f"included_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{module}.py").write_text(
+        "from celery import shared_task\n\n"
+        f"@shared_task(name='{module}.hello')\n"
+        "def hello():\n"
+        "    return 'hello'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    app = make_app(anarchon_backend=f"sqlite:///{tmp_path / 'claims.db'}", include=[module])
+    with Schedules(app) as schedules, pytest.raises(ConfigurationError, match="does not take"):
+        schedules.add("greet", f"{module}.hello", 60.0, kwargs={"name": "x"})

@@ -787,6 +787,10 @@ def test_the_command_answers_only_its_host_names(
     result, wsgi = _served_app(monkeypatch, sqlite_app, "--bind", "0.0.0.0")
     assert status(wsgi, "evil.example") == 200  # no names given: it cannot know them
     assert "Without --allowed-host it answers to any Host header" in result.stderr
+    # Another loopback address: the URL the command prints works.
+    result, wsgi = _served_app(monkeypatch, sqlite_app, "--bind", "127.0.0.2")
+    assert "http://127.0.0.2:5580/" in result.stderr
+    assert status(wsgi, "127.0.0.2:5580") == 200 and status(wsgi, "evil.example") == 400
     refused, _ = _served_app(monkeypatch, sqlite_app, "--allowed-host", "not a host")
     assert refused.exit_code != 0 and "no host name" in refused.stderr
 

@@ -99,7 +99,10 @@ def web(
         )
     hosts: tuple[str, ...] | None
     if _loopback(bind):
-        hosts = (*LOOPBACK_HOSTS, *allowed_hosts)
+        # The bound address too: a browser opening the printed URL of
+        # 127.0.0.2 (or ::1 spelled in full) sends it as the Host.
+        own = f"[{bind}]" if ":" in bind else bind
+        hosts = (*LOOPBACK_HOSTS, own, *allowed_hosts)
     else:
         hosts = allowed_hosts or None
         # The token guards the actions only: every page reads without it.
