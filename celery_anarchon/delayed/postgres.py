@@ -67,7 +67,7 @@ from ..backends.sql import SQLBackend
 from ..backends.sql.dialects import _NOW_SQL
 from ..exceptions import BackendUnavailable, ConfigurationError
 from .model import Parked, Taken
-from .sql import ERROR_CHARS, PARK_ROUNDS, SQLStore, chunks, key_order, row_taken
+from .sql import ERROR_CHARS, SQLStore, chunks, key_order, row_taken
 from .store import Listener
 
 __all__ = ["MAX_KEY_BYTES", "PostgresDelayedStore"]
@@ -271,29 +271,17 @@ class PostgresDelayedStore(SQLStore):
                 (the transaction is rolled back).
         """
         self._check_keys(tasks)
-        answers: list[str | None] = [None] * len(tasks)
-        todo = key_order(tasks)
         with self._write("park delayed tasks") as conn:
             wake: int | None = None
-            for _ in range(PARK_ROUNDS):
-                if not todo:
-                    break
-                inserted, earliest = self._insert_absent(conn, [tasks[i] for i in todo])
+
+            def insert(todo: list[Parked]) -> list[bool]:
+                nonlocal wake
+                inserted, earliest = self._insert_absent(conn, todo)
                 if earliest is not None and (wake is None or earliest < wake):
                     wake = earliest
-                conflicts = [i for i, done in zip(todo, inserted, strict=True) if not done]
-                for i, done in zip(todo, inserted, strict=True):
-                    if done:
-                        answers[i] = tasks[i].id
-                found = self._existing(conn, [tasks[i] for i in conflicts])
-                for i, existing in zip(conflicts, found, strict=True):
-                    answers[i] = existing
-                todo = [i for i in conflicts if answers[i] is None]
-            if todo:
-                raise BackendUnavailable(
-                    f"{self.describe()}: park of {tasks[todo[0]].id!r} kept conflicting with "
-                    f"a row that vanished before it could be read ({PARK_ROUNDS} rounds)"
-                )
+                return inserted
+
+            answers = self._park_rounds(conn, tasks, key_order(tasks), insert)
             if wake is not None:
                 self._notify(conn, wake)
         return [answer for answer in answers if answer is not None]

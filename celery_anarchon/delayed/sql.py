@@ -490,6 +490,43 @@ class SQLStore(DelayedStore):
                         "(a hash of it)."
                     )
 
+    def _park_rounds(
+        self,
+        conn: Connection,
+        tasks: Sequence[Parked],
+        order: list[int],
+        insert: Callable[[list[Parked]], list[bool]],
+    ) -> list[str | None]:
+        """The id each of ``tasks`` is parked under, inserting them in
+        ``order`` (indexes into ``tasks``) with ``insert`` (per task: True
+        when written): a task not written conflicted with a row, whose id
+        :meth:`_existing` reads back; one whose conflicting row vanished
+        meanwhile is inserted again, for up to :data:`PARK_ROUNDS` rounds.
+
+        Raises:
+            BackendUnavailable: a conflicting row kept vanishing.
+        """
+        answers: list[str | None] = [None] * len(tasks)
+        todo = order
+        for _ in range(PARK_ROUNDS):
+            if not todo:
+                break
+            inserted = insert([tasks[i] for i in todo])
+            conflicts = [i for i, done in zip(todo, inserted, strict=True) if not done]
+            for i, done in zip(todo, inserted, strict=True):
+                if done:
+                    answers[i] = tasks[i].id
+            found = self._existing(conn, [tasks[i] for i in conflicts])
+            for i, existing in zip(conflicts, found, strict=True):
+                answers[i] = existing
+            todo = [i for i in conflicts if answers[i] is None]
+        if todo:
+            raise BackendUnavailable(
+                f"{self.describe()}: park of {tasks[todo[0]].id!r} kept conflicting with "
+                f"a row that vanished before it could be read ({PARK_ROUNDS} rounds)"
+            )
+        return answers
+
     def _existing(self, conn: Connection, tasks: list[Parked]) -> list[str | None]:
         """For tasks that may not have been inserted: the id parked under
         the task's key, else the task's own id when that is parked, else
@@ -800,26 +837,10 @@ class SQLDelayedStore(SQLStore):
         listening = _WAKES.listening(self._topic)
 
         def body(conn: Connection) -> tuple[list[str | None], int | None]:
-            answers: list[str | None] = [None] * len(tasks)
-            todo = park_order(tasks)
             head = self._head_ms(conn) if listening else None
-            for _ in range(PARK_ROUNDS):
-                if not todo:
-                    break
-                inserted = self._insert_absent(conn, [tasks[i] for i in todo])
-                unsure = [i for i, done in zip(todo, inserted, strict=True) if not done]
-                for i, done in zip(todo, inserted, strict=True):
-                    if done:
-                        answers[i] = tasks[i].id
-                found = self._existing(conn, [tasks[i] for i in unsure])
-                for i, existing in zip(unsure, found, strict=True):
-                    answers[i] = existing
-                todo = [i for i in unsure if answers[i] is None]
-            if todo:
-                raise BackendUnavailable(
-                    f"{self.describe()}: park of {tasks[todo[0]].id!r} kept conflicting with "
-                    f"a row that vanished before it could be read ({PARK_ROUNDS} rounds)"
-                )
+            answers = self._park_rounds(
+                conn, tasks, park_order(tasks), lambda todo: self._insert_absent(conn, todo)
+            )
             return answers, head
 
         answers, head = self._transaction("park delayed tasks", body)
