@@ -575,12 +575,10 @@ def test_bounds_from_the_command_line_and_finished_jobs_in_jobs(stored_app: Cele
     assert "before start_at" in fails(app, "update", "limited", "--end-at", "2025-01-01T00:00Z")
 
 
-def test_a_task_of_an_included_module_is_known_and_a_typo_is_warned(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A task defined in a module of Celery's ``include`` (imported by a
-    worker, not by the app's module) is not reported as unregistered when a
-    job is stored; a name no module defines is, once."""
+def included_app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, Celery]:
+    """An app on SQLite whose Celery ``include`` names a module of its own
+    (written to ``tmp_path``) that defines the task ``<module>.hello``,
+    taking no arguments; the module's name and the app."""
     module = f"included_{uuid.uuid4().hex[:8]}"
     (tmp_path / f"{module}.py").write_text(
         "from celery import shared_task\n\n"
@@ -590,6 +588,16 @@ def test_a_task_of_an_included_module_is_known_and_a_typo_is_warned(
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     app = make_app(anarchon_backend=f"sqlite:///{tmp_path / 'claims.db'}", include=[module])
+    return module, app
+
+
+def test_a_task_of_an_included_module_is_known_and_a_typo_is_warned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A task defined in a module of Celery's ``include`` (imported by a
+    worker, not by the app's module) is not reported as unregistered when a
+    job is stored; a name no module defines is, once."""
+    module, app = included_app(tmp_path, monkeypatch)
     with caplog.at_level("WARNING", logger="celery_anarchon"), Schedules(app) as schedules:
         schedules.add("greet", f"{module}.hello", 60.0)
         assert "not registered" not in caplog.text
@@ -604,14 +612,6 @@ def test_the_first_add_in_a_process_checks_the_args_of_an_included_task(
     """The included modules are imported before the arguments are checked,
     so the first add of a fresh process refuses arguments its task's
     signature refuses (it was let through while the task was unknown)."""
-    module = f"included_{uuid.uuid4().hex[:8]}"
-    (tmp_path / f"{module}.py").write_text(
-        "from celery import shared_task\n\n"
-        f"@shared_task(name='{module}.hello')\n"
-        "def hello():\n"
-        "    return 'hello'\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    app = make_app(anarchon_backend=f"sqlite:///{tmp_path / 'claims.db'}", include=[module])
+    module, app = included_app(tmp_path, monkeypatch)
     with Schedules(app) as schedules, pytest.raises(ConfigurationError, match="does not take"):
         schedules.add("greet", f"{module}.hello", 60.0, kwargs={"name": "x"})
