@@ -131,9 +131,13 @@ def test_a_closed_scheduler_never_ticks_on(tmp_path: Path) -> None:
     file``, which a tick survived: the beat reconnected and kept sending
     after its hand-over until killed (seen in a real beat, 1 in 16 stops
     under load). A tick after close() now exits."""
-    app = make_app(f"sqlite:///{tmp_path / 'claims.db'}", hourly_at(int(time.time())))
+    # A slot 3 s ahead, ticked once due: a new job sends no slot from more
+    # than 1 s before its start-up, which a loaded machine can take.
+    slot_s = int(time.time()) + 3
+    app = make_app(f"sqlite:///{tmp_path / 'claims.db'}", hourly_at(slot_s))
     app.conf.anarchon_backend_options = {}
     s = Scheduler(app)
+    time.sleep(max(0.0, slot_s + 0.05 - time.time()))
     s.tick()
     s.close()
     with pytest.raises(SystemExit):
