@@ -135,7 +135,7 @@ def sign_in(client: FlaskClient) -> str:
     """Sign in with the token; the CSRF token of the signed-in session."""
     page = text(client, "/login")
     response = client.post("/login", data={"csrf": csrf_of(page), "token": TOKEN})
-    assert response.status_code == 302
+    assert response.status_code == 303
     return csrf_of(text(client, "/jobs/every-minute"))
 
 
@@ -391,11 +391,40 @@ def test_a_refused_definition_changes_nothing_and_says_why(
 ) -> None:
     csrf = sign_in(client)
     form = {"csrf": csrf, "name": "bad", "task": "webtest.noop", "cron": "every day"}
-    response = client.post("/add", data=form, follow_redirects=True)
-    assert response.status_code == 200
-    assert "cannot read cron" in response.get_data(as_text=True)
+    response = client.post("/add", data=form)
+    page = response.get_data(as_text=True)
+    # The form again, with why and with what was typed: nothing to type twice.
+    assert response.status_code == 400
+    assert re.search(r'id="form-error"[^>]*>add bad: [^<]*cannot read cron', page), page[:3000]
+    assert 'id="form-name" value="bad"' in page and 'id="form-cron" value="every day"' in page
+    assert 'id="form-task" value="webtest.noop"' in page
     with Schedules(celery_app) as schedules:
         assert "bad" not in {v.name for v in schedules.list()}
+
+
+def test_a_refused_edit_shows_the_form_again_and_keeps_the_job(
+    celery_app: Celery, client: FlaskClient
+) -> None:
+    csrf = sign_in(client)
+    added = {"csrf": csrf, "name": "kept", "task": "webtest.noop", "every": "5m"}
+    assert client.post("/add", data=added).status_code == 303
+    response = client.post("/jobs/kept/edit", data={"csrf": csrf, "args": "[1,"})
+    page = response.get_data(as_text=True)
+    assert response.status_code == 400
+    assert 'id="form-error"' in page and "edit kept:" in page
+    assert 'id="form-args" value="[1,"' in page and 'id="form-current"' in page
+    with Schedules(celery_app) as schedules:
+        assert schedules.get("kept").definition.args == []
+
+
+def test_a_form_page_says_actions_are_off_before_asking_for_a_sign_in(
+    celery_app: Celery,
+) -> None:
+    client = create_app(celery_app).test_client()
+    for path in ("/add", "/jobs/every-minute/edit", "/login"):
+        response = client.get(path)
+        assert response.status_code == 403
+        assert "actions are off" in response.get_data(as_text=True), path
 
 
 # -- refusals: 403, nothing changed -------------------------------------------------------
@@ -818,13 +847,17 @@ def _cookie(client: FlaskClient) -> str:
 
 
 def test_signing_out_ends_the_session_for_a_copied_cookie_too(
-    sqlite_app: Celery, sqlite_client: FlaskClient
+    sqlite_app: Celery, sqlite_client: FlaskClient, caplog: pytest.LogCaptureFixture
 ) -> None:
-    csrf = sign_in(sqlite_client)
-    copy = sqlite_client.application.test_client()
-    copy.set_cookie("anarchon_session", _cookie(sqlite_client))
-    assert 'id="action-pause"' in text(copy, "/jobs/every-minute")  # the copy is signed in
-    assert sqlite_client.post("/logout", data={"csrf": csrf}).status_code == 302
+    with caplog.at_level(logging.INFO, logger="celery_anarchon.web.app"):
+        csrf = sign_in(sqlite_client)
+        copy = sqlite_client.application.test_client()
+        copy.set_cookie("anarchon_session", _cookie(sqlite_client))
+        assert 'id="action-pause"' in text(copy, "/jobs/every-minute")  # the copy is signed in
+        assert sqlite_client.post("/logout", data={"csrf": csrf}).status_code == 303
+    logged = [r.getMessage() for r in caplog.records]
+    assert "anarchon web: operator signed in from 127.0.0.1" in logged
+    assert "anarchon web: operator signed out from 127.0.0.1" in logged
     assert 'id="sign-in"' in text(sqlite_client, "/jobs")
     assert 'id="action-pause"' not in text(copy, "/jobs/every-minute")
     response = copy.post("/jobs/every-minute/pause", data={"csrf": csrf})
@@ -861,7 +894,7 @@ def test_sign_out_needs_the_forms_csrf_token(
     assert 'id="sign-out"' in text(sqlite_client, "/jobs")  # still signed in
     assert sqlite_client.post("/jobs/every-minute/pause", data={"csrf": csrf}).status_code == 303
     page = text(sqlite_client, "/jobs")  # its only post form is the sign-out's
-    assert sqlite_client.post("/logout", data={"csrf": csrf_of(page)}).status_code == 302
+    assert sqlite_client.post("/logout", data={"csrf": csrf_of(page)}).status_code == 303
     assert 'id="sign-in"' in text(sqlite_client, "/jobs")
 
 

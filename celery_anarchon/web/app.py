@@ -334,6 +334,15 @@ def create_app(
         body = render_template("refused.html", why=why)
         return Response(body, status=403, mimetype="text/html")
 
+    def form_refusal() -> Response | None:
+        """Why an action's form page is refused (403), or None: actions off
+        first, then not signed in, as the action itself answers."""
+        if not allow_actions:
+            return refuse("actions are off (start the page with --allow-actions)")
+        if not signed_in():
+            return refuse("not signed in: give the operator's token first")
+        return None
+
     def guarded(action: Callable[..., Response]) -> Callable[..., Response]:
         """An action view: 403 unless actions are on, the session is signed
         in, and the form's CSRF token is the session's."""
@@ -448,15 +457,18 @@ def create_app(
         session["sid"] = sessions.start()
         session["csrf"] = secrets.token_urlsafe(32)  # a new one once signed in
         logger.info("anarchon web: operator signed in from %s", request.remote_addr)
-        return redirect(url_for("jobs"))
+        return redirect(url_for("jobs"), code=303)
 
     @app.post("/logout")
     def logout() -> Response:
         if not csrf_ok():
             return refuse("the form's CSRF token is missing or wrong: reload the page")
+        was_signed_in = signed_in()
         sessions.end(session.get("sid"))  # a copy of the cookie stops working too
         session.clear()
-        return redirect(url_for("cluster"))
+        if was_signed_in:
+            logger.info("anarchon web: operator signed out from %s", request.remote_addr)
+        return redirect(url_for("cluster"), code=303)
 
     # -- actions ----------------------------------------------------------------
 
@@ -532,11 +544,19 @@ def create_app(
         audit("remove", name, message)
         return done(None, message)
 
+    def form_again(action: str, job: str, exc: BaseException, **values: Any) -> Response:
+        """A refused add or edit: its form again, with what was typed and
+        why (400), so nothing typed is lost; ``values`` are the form's."""
+        text = sanitize_url(one_line(exc))
+        audit(action, job, f"refused: {text}")
+        typed = {key: str(request.form.get(key, "")) for key in FORM_FIELDS}
+        error = f"{action} {job}: {text}"
+        body = render_template("job_form.html", typed=typed, error=error, **values)
+        return Response(body, status=400, mimetype="text/html")
+
     @app.get("/add")
     def add_form() -> str | Response:
-        if not signed_in():
-            return refuse("not signed in: give the operator's token first")
-        return render_template("job_form.html", mode="add", current={})
+        return form_refusal() or render_template("job_form.html", mode="add", current={})
 
     @app.post("/add")
     @guarded
@@ -549,28 +569,33 @@ def create_app(
             fields = _definition(form, require=True)
             stored = shared.schedules.add(name, **fields)
         except (AnarchonError, Fail) as exc:
-            return failed("add", name, exc, None)
+            return form_again("add", name, exc, mode="add", current={})
         message = f"{name}: added (version {stored.version})"  # as `add` prints it
         audit("add", name, message)
         return done(name, message)
 
-    @app.get("/jobs/<path:name>/edit")
-    def edit_form(name: str) -> str | Response:
-        if not signed_in():
-            return refuse("not signed in: give the operator's token first")
-        try:
-            definition = shared.schedules.get(name).definition
-        except AnarchonError as exc:
-            return done(name, f"edit {name}: {sanitize_url(one_line(exc))}", False)
-        if definition is None:
-            return done(name, f"edit {name}: a beat_schedule entry changes in the code", False)
-        current = {
+    def current_of(definition: Any) -> dict[str, str]:
+        """A stored definition as the edit form shows it ("Now: ...")."""
+        return {
             "task": definition.task,
             "schedule": definition.describe_schedule(),
             "args": json.dumps(definition.args),
             "kwargs": json.dumps(definition.kwargs),
             "queue": (definition.options or {}).get("queue") or "",
         }
+
+    @app.get("/jobs/<path:name>/edit")
+    def edit_form(name: str) -> str | Response:
+        refused = form_refusal()
+        if refused is not None:
+            return refused
+        try:
+            definition = shared.schedules.get(name).definition
+        except AnarchonError as exc:
+            return done(name, f"edit {name}: {sanitize_url(one_line(exc))}", False)
+        if definition is None:
+            return done(name, f"edit {name}: a beat_schedule entry changes in the code", False)
+        current = current_of(definition)
         return render_template("job_form.html", mode="edit", name=name, current=current)
 
     @app.post("/jobs/<path:name>/edit")
@@ -585,11 +610,23 @@ def create_app(
                 fields["options"] = {**(current.options if current else {}), **fields["options"]}
             stored = shared.schedules.update(name, **fields)
         except (AnarchonError, Fail) as exc:
-            return failed("edit", name, exc, name)
+            try:
+                definition = shared.schedules.get(name).definition
+            except AnarchonError:
+                definition = None  # removed meanwhile, or the store is down
+            if definition is None:
+                return failed("edit", name, exc, name)
+            return form_again(
+                "edit", name, exc, mode="edit", name=name, current=current_of(definition)
+            )
         audit("edit", name, f"updated {', '.join(sorted(fields))} (version {stored.version})")
         return done(name, f"{name}: updated (version {stored.version})")  # as `update` prints it
 
     return app
+
+
+#: The fields of the add and edit forms (a refused one is shown again with them).
+FORM_FIELDS = ("name", "task", "every", "cron", "tz", "at", "args", "kwargs", "queue")
 
 
 def _is_stored(data: dict[str, Any]) -> bool:
