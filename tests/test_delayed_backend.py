@@ -185,6 +185,31 @@ def test_a_rabbitmq_delayed_backend_is_refused_by_name() -> None:
     assert "s3cret" not in message
 
 
+@pytest.mark.parametrize("own_url", [False, True])
+def test_the_delayed_store_says_what_it_is_when_it_opens(
+    own_url: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Beat and a worker open the claim backend and the delayed store apart,
+    also on one URL: their start-up lines say which is which."""
+    require_service("redis")
+    from celery_anarchon.delayed import delayed_backend
+    from celery_anarchon.delayed.settings import DelayedSettings
+    from celery_anarchon.settings import Settings
+
+    conf = {"anarchon_delayed_backend": redis_store_url("role")} if own_url else {}
+    app = make_app(anarchon_backend=redis_store_url("role-claims"), **conf)
+    backend = delayed_backend(
+        Settings.from_app(app), DelayedSettings.from_app(app), instance="role-test"
+    )
+    try:
+        with caplog.at_level("INFO", logger="celery_anarchon"):
+            backend.open()
+    finally:
+        backend.close()
+    ready = [r.getMessage() for r in caplog.records if " ready: " in r.getMessage()]
+    assert len(ready) == 1 and ready[0].startswith("anarchon: Redis delayed store ready: "), ready
+
+
 @pytest.mark.parametrize(
     ("value", "expected"),
     [

@@ -374,6 +374,11 @@ class Backend(abc.ABC):
     #: ``"rabbitmq"`` (empty for a backend of a user's own).
     kind: str = ""
 
+    #: What this client is for, as its start-up log line names it:
+    #: ``"claim backend"``, or ``"delayed store"`` for the client that
+    #: :func:`celery_anarchon.delayed.delayed_backend` opens.
+    role: str = "claim backend"
+
     instance: str
 
     def __init__(

@@ -188,7 +188,9 @@ def delayed_backend(settings: Settings, delayed: DelayedSettings, *, instance: s
     if off is not None:
         raise ConfigurationError(off)
     if delayed.backend is None:
-        return backend_from_settings(settings, instance=instance)
+        backend = backend_from_settings(settings, instance=instance)
+        backend.role = "delayed store"
+        return backend
     url = delayed.backend
     shown = sanitize_url(url)
     options = {}
@@ -205,6 +207,7 @@ def delayed_backend(settings: Settings, delayed: DelayedSettings, *, instance: s
             f"anarchon_delayed_backend = {shown!r} is RabbitMQ, which keeps no parked tasks "
             f"({RABBITMQ_DOC}); give a Redis or SQL URL: {_FIX}."
         )
+    backend.role = "delayed store"
     return backend
 
 

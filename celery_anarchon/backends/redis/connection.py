@@ -211,7 +211,7 @@ class RedisConnection(RedisNaming):
         except RedisError as exc:
             raise self._unavailable("open", exc) from exc
         self._measure_clock_offset()
-        logger.info("anarchon: Redis claim backend ready: %s", self.describe())
+        logger.info("anarchon: Redis %s ready: %s", self.role, self.describe())
 
     def close(self) -> None:
         """Close the connections this backend opened; a user's client is left

@@ -373,7 +373,7 @@ class SQLConnection(SQLDialects):
         self._ready = True
         if self.kind != "sqlite":
             self._measure_clock_offset()
-        logger.info("anarchon: SQL backend ready: %s", self.describe())
+        logger.info("anarchon: SQL %s ready: %s", self.role, self.describe())
 
     def exists(self) -> bool:
         """False for a SQLite file that is not there yet (opening creates it)."""
