@@ -114,7 +114,7 @@ def parse_at(text: str, option: str = "--at", *, naive_utc: bool = False) -> dat
         raise Fail(
             EXIT_USAGE,
             f"{option} {text!r} has no time zone, so hosts in other zones would read another "
-            "instant: add one, e.g. 2027-01-01T00:00Z or 2027-01-01T01:00+01:00",
+            f"instant: add one, e.g. {text.strip()}Z (UTC) or {text.strip()}+01:00",
         )
     return at
 

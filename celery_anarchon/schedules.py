@@ -364,7 +364,7 @@ class Schedules:
         record = written[0] if written is not None else None
         if record is None:
             raise self._no_such_job(name, "remove")
-        logger.info("anarchon: stored job %s removed (version %d)", name, record.version)
+        logger.info("anarchon: stored job %s removed (store version %d)", name, record.version)
         return record.version
 
     def pause(self, name: str, note: str | None = None) -> Pause:
@@ -387,7 +387,7 @@ class Schedules:
         self._require_job(name, "pause")
         record = store.write_stored(PAUSE, name, Pause(name, True, note or "").body())
         assert record is not None and record.body is not None
-        logger.info("anarchon: job %s paused (version %d)", name, record.version)
+        logger.info("anarchon: job %s paused (store version %d)", name, record.version)
         return Pause.from_record(name, record.body, record.version, record.committed_ms)
 
     def resume(self, name: str) -> Pause:
@@ -408,7 +408,7 @@ class Schedules:
         body = Pause(name, False, current.note, current.paused_ms).body()
         record = store.write_stored(PAUSE, name, body)
         assert record is not None and record.body is not None
-        logger.info("anarchon: job %s resumed (version %d)", name, record.version)
+        logger.info("anarchon: job %s resumed (store version %d)", name, record.version)
         return Pause.from_record(name, record.body, record.version, record.committed_ms)
 
     # -- reads ------------------------------------------------------------------

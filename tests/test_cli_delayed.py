@@ -213,6 +213,7 @@ def test_reschedule_moves_a_pending_task(app: Celery) -> None:
 
     naive = fails(app, "delayed", "reschedule", "invoice-42", "2031-06-01T00:00")
     assert "WHEN '2031-06-01T00:00' has no time zone" in naive
+    assert "e.g. 2031-06-01T00:00Z (UTC) or 2031-06-01T00:00+01:00" in naive  # the time given
     garbage = fails(app, "delayed", "reschedule", "invoice-42", "tomorrow")
     assert "WHEN 'tomorrow' is not ISO 8601" in garbage
     assert delayed.get(app, task_id).due_ms == ms_of(  # type: ignore[union-attr]

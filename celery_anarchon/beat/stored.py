@@ -237,7 +237,7 @@ class StoredJobs:
             if record.kind != JOB and record.version != newest[record.kind, record.name]:
                 continue
             if len(fresh) <= LOGGED_CHANGES:
-                logger.info("anarchon: %s (version %d)", _change_text(record), record.version)
+                logger.info("anarchon: %s (store version %d)", _change_text(record), record.version)
             if record.kind == JOB:
                 self._apply_job(record, now_ms)
             else:

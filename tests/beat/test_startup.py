@@ -37,6 +37,17 @@ def test_lazy_construction_connects_nothing(every_second: dict[str, Any], tmp_pa
     s.close()
 
 
+def test_the_banner_of_a_misconfigured_scheduler_names_the_problem_in_one_clause(
+    every_second: dict[str, Any], tmp_path: Path
+) -> None:
+    app = sqlite_app(tmp_path, every_second, anarchon_max_late=-3)
+    s = Scheduler(app, lazy=True)
+    line = s.info
+    assert line.startswith("    . anarchon -> misconfigured: anarchon_max_late"), line
+    assert ", 1 job(s)" in line and "., " not in line, line
+    s.close()
+
+
 @pytest.mark.parametrize(
     ("schedule", "words"),
     [
