@@ -109,12 +109,13 @@ def parse_at(text: str, option: str = "--at", *, naive_utc: bool = False) -> dat
             EXIT_USAGE, f"{option} {text!r} is not ISO 8601: give e.g. 2027-01-01T00:00Z"
         ) from None
     if at.tzinfo is None or at.utcoffset() is None:
+        example = at.isoformat(timespec="seconds" if at.second else "minutes")
         if naive_utc:
             return at.replace(tzinfo=timezone.utc)
         raise Fail(
             EXIT_USAGE,
             f"{option} {text!r} has no time zone, so hosts in other zones would read another "
-            f"instant: add one, e.g. {text.strip()}Z (UTC) or {text.strip()}+01:00",
+            f"instant: add one, e.g. {example}Z (UTC) or {example}+01:00",
         )
     return at
 

@@ -264,6 +264,12 @@ BAD_ADDS = [
     ("never-matching-cron", ["--cron", "0 0 31 2 *"], "never matches"),
     ("unknown-zone", ["--cron", "0 7 * * *", "--tz", "Mars/Olympus"], "'Mars/Olympus'"),
     ("naive-at", ["--at", "2027-01-01T00:00"], "--at '2027-01-01T00:00' has no time zone"),
+    (
+        "naive-date",
+        ["--at", "2027-01-01"],
+        "e.g. 2027-01-01T00:00Z (UTC) or 2027-01-01T00:00+01:00",
+    ),
+    ("naive-at-9", ["--at", "2027-01-01T09:00"], "e.g. 2027-01-01T09:00Z (UTC) or 2027-01"),
     ("not-iso-at", ["--at", "next tuesday"], "is not ISO 8601"),
     ("past-at", ["--at", "2020-01-01T00:00Z"], "has no slot after the change holds"),
     ("bad-duration", ["--every", "5x"], "--every '5x': give seconds or a duration"),

@@ -212,9 +212,9 @@ def test_kill_9_of_an_instance_mid_change(name: str, tmp_path: Path) -> None:
     require_service(name)
     url = backend_for(name, tmp_path)
     # The killed beat may die holding a slot it claimed and had not sent
-    # yet; a lease of 2 s (max_late 20 s) lets a survivor take it over
+    # yet; a lease of 3 s (max_late 20 s) lets a survivor take it over
     # inside the run, where the default 30 s would expire past max_late.
-    cluster = start_cluster(url, tmp_path, anarchon_lease_ttl=2)
+    cluster = start_cluster(url, tmp_path, anarchon_lease_ttl=3)
     phases: list[Phase] = []
     try:
         with Schedules(client_app(url, cluster.queue)) as schedules:

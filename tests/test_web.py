@@ -415,6 +415,9 @@ def test_a_refused_edit_shows_the_form_again_and_keeps_the_job(
     assert 'id="form-args" value="[1,"' in page and 'id="form-current"' in page
     with Schedules(celery_app) as schedules:
         assert schedules.get("kept").definition.args == []
+        schedules.remove("kept")
+    gone = client.post("/jobs/kept/edit", data={"csrf": csrf, "every": "1h"})
+    assert gone.status_code == 303 and gone.headers["Location"].endswith("/jobs")
 
 
 def test_a_form_page_says_actions_are_off_before_asking_for_a_sign_in(
@@ -515,6 +518,19 @@ def test_an_unreachable_backend_shows_a_banner_and_keeps_serving() -> None:
         assert "user:**@" in page
     jobs = text(client, "/jobs")
     assert 'data-job="every-minute"' in jobs  # the code entries, without states
+
+
+def test_an_add_while_the_backend_does_not_answer_keeps_the_form_and_answers_503() -> None:
+    url = f"redis://127.0.0.1:{_free_port()}/0?socket_timeout=1"
+    client = create_app(make_app(url), allow_actions=True).test_client()
+    page = text(client, "/login")
+    assert client.post("/login", data={"csrf": csrf_of(page), "token": TOKEN}).status_code == 303
+    csrf = csrf_of(text(client, "/add"))
+    form = {"csrf": csrf, "name": "later", "task": "webtest.noop", "every": "5m"}
+    response = client.post("/add", data=form)
+    answer = response.get_data(as_text=True)
+    assert response.status_code == 503, answer[:2000]
+    assert 'id="form-error"' in answer and 'id="form-every" value="5m"' in answer
 
 
 # -- the cost of a render ------------------------------------------------------------------

@@ -593,7 +593,7 @@ class Scheduler(beat.Scheduler):
             )
             where = backend.describe()
         except ConfigurationError as exc:
-            where = f"misconfigured: {str(exc).rstrip('.')}"
+            where = f"misconfigured ({str(exc).rstrip('.')})"
         jobs = len(self._jobs) or len(self.app.conf.beat_schedule or {})
         return f"    . anarchon -> {where}, {jobs} job(s)"
 

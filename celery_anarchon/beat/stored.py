@@ -237,7 +237,13 @@ class StoredJobs:
             if record.kind != JOB and record.version != newest[record.kind, record.name]:
                 continue
             if len(fresh) <= LOGGED_CHANGES:
-                logger.info("anarchon: %s (store version %d)", _change_text(record), record.version)
+                # A definition's number is the job's own version, as the
+                # commands print it; a pause state's or a removal's is only
+                # its place in the store's change counter.
+                which = (
+                    "version" if record.kind == JOB and record.body is not None else "store version"
+                )
+                logger.info("anarchon: %s (%s %d)", _change_text(record), which, record.version)
             if record.kind == JOB:
                 self._apply_job(record, now_ms)
             else:

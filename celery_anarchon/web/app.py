@@ -35,7 +35,7 @@ from ..checks import one_line
 from ..cli_common import Fail
 from ..cli_schedules import _json_option, _schedule, pause_line
 from ..exceptions import AnarchonError, BackendMissing, BackendUnavailable, ConfigurationError
-from ..schedules import Schedules
+from ..schedules import NoSuchJob, Schedules
 from .pages import (
     FILTERS,
     SORTS,
@@ -546,13 +546,15 @@ def create_app(
 
     def form_again(action: str, job: str, exc: BaseException, **values: Any) -> Response:
         """A refused add or edit: its form again, with what was typed and
-        why (400), so nothing typed is lost; ``values`` are the form's."""
+        why, so nothing typed is lost; ``values`` are the form's. 400 for
+        a definition refused, 503 when the backend did not answer."""
         text = sanitize_url(one_line(exc))
         audit(action, job, f"refused: {text}")
         typed = {key: str(request.form.get(key, "")) for key in FORM_FIELDS}
         error = f"{action} {job}: {text}"
         body = render_template("job_form.html", typed=typed, error=error, **values)
-        return Response(body, status=400, mimetype="text/html")
+        status = 503 if isinstance(exc, BackendUnavailable) else 400
+        return Response(body, status=status, mimetype="text/html")
 
     @app.get("/add")
     def add_form() -> str | Response:
@@ -610,6 +612,8 @@ def create_app(
                 fields["options"] = {**(current.options if current else {}), **fields["options"]}
             stored = shared.schedules.update(name, **fields)
         except (AnarchonError, Fail) as exc:
+            if isinstance(exc, NoSuchJob):  # removed meanwhile: its page may be gone
+                return failed("edit", name, exc, None)
             try:
                 definition = shared.schedules.get(name).definition
             except AnarchonError:

@@ -519,13 +519,13 @@ class Unavailable(Exception):
 
 
 #: The short (CI) profile: a representative subset that runs inside the
-#: default test run (``bash .ci/run``, ``pytest -n 3``), on every backend,
+#: default test run (``bash .ci/run``, ``pytest -n 5``), on every backend,
 #: in about 6 minutes of one xdist worker. Why these: the kill -9 loop (the
 #: fault that matters most) on SQLite and RabbitMQ, and on MySQL its harder
 #: form, "kill-9 in send" (kills land between claim and send, so backups
 #: take over, and take over again from a backup killed in turn; the same
 #: row time as the loop); the lease fault
-#: tests of tests/test_faults_lease.py cover kill -9 between claim and send,
+#: tests of tests/beat/test_lease_faults.py cover kill -9 between claim and send,
 #: SIGSTOP longer than the lease and the rolling restart on SQLite,
 #: PostgreSQL and Redis in the same run. Every
 #: other family of fault once, on the backend where it says the most: a

@@ -1,5 +1,5 @@
 """The fault campaign's short (CI) profile as tests, part of the default
-run (``pytest -n 3``; alone: ``pytest -m faults``).
+run (``pytest -n 5``; alone: ``pytest -m faults``).
 
 Each row of :data:`~tests.faults.scenarios.SHORT_PROFILE` and each bad-input
 case is one test; a row passes when it passes every check of
@@ -21,7 +21,7 @@ from .scenarios import SHORT_DURATION, SHORT_PROFILE
 
 #: One xdist group (tests/faults/xdist_groups.py, loaded by setup.cfg, does
 #: the grouping; the mark says so for xdist versions where it works): the
-#: campaign's rows run one after another on one worker of ``pytest -n 3``,
+#: campaign's rows run one after another on one worker of ``pytest -n 5``,
 #: beside the rest of the suite, so at most one row's beats load the
 #: machine at a time.
 pytestmark = [
