@@ -59,7 +59,7 @@ from .exceptions import ConfigurationError
 from .model import app_zone, job_from_stored
 from .schedules import Schedules, StoredJobsRefused
 from .slots import cron
-from .stored import Pause, StoredJob, StoredState
+from .stored import APPLY_DELAY_MS, Pause, StoredJob, StoredState
 from .times import iso
 
 __all__ = ["COMMANDS", "add", "parse_at", "parse_every", "pause", "remove", "resume", "update"]
@@ -434,7 +434,7 @@ def remove(ctx: click.Context, name: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps({"job": name, "action": "removed", "version": version}))
     else:
-        click.echo(f"{name}: removed (store version {version}); its history stays")
+        click.echo(f"{name}: removed (store version {version}); {REMOVED_TAIL}")
 
 
 def _pause_json(name: str, action: str, pause: Pause, changed: bool) -> dict[str, Any]:
@@ -505,6 +505,11 @@ def _own_version(schedules: Schedules, state: StoredState, name: str) -> int:
     if stored is None or name in (schedules.app.conf.beat_schedule or {}):
         return 0
     return stored.version
+
+
+#: What ``remove`` prints after the store version (and the web page shows):
+#: a removal holds from 1 s after its commit, like every change.
+REMOVED_TAIL = f"no slot from {APPLY_DELAY_MS // 1000} s after the commit runs; its history stays"
 
 
 def pause_line(name: str, result: Pause, changed: bool, job_version: int) -> str:

@@ -33,7 +33,7 @@ from werkzeug.wrappers import Response
 from ..backends import sanitize_url
 from ..checks import one_line
 from ..cli_common import Fail
-from ..cli_schedules import _json_option, _schedule, pause_line
+from ..cli_schedules import REMOVED_TAIL, _json_option, _schedule, pause_line
 from ..exceptions import AnarchonError, BackendMissing, BackendUnavailable, ConfigurationError
 from ..schedules import NoSuchJob, Schedules
 from .pages import (
@@ -540,7 +540,7 @@ def create_app(
             return failed("remove", name, exc, name)
         # As `remove` prints it: the removal's number in the store's change
         # counter, which is no version of the job.
-        message = f"{name}: removed (store version {version}); its history stays"
+        message = f"{name}: removed (store version {version}); {REMOVED_TAIL}"
         audit("remove", name, message)
         return done(None, message)
 

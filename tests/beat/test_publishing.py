@@ -439,7 +439,9 @@ def test_a_queue_the_task_or_entry_routes_to_is_declared_as_celery_would(
     app = sqlite_app(tmp_path, schedule, anarchon_max_late=0.5)
     app.conf.task_queues = [Queue(app.conf.task_default_queue), Queue("eph", auto_delete=True)]
 
-    @app.task(name="proj.eph", queue="eph" if case == "task's auto-delete queue" else None)
+    @app.task(
+        name="proj.eph", queue="eph" if case == "task's auto-delete queue" else None, shared=False
+    )
     def eph() -> None:
         """A task."""
 
