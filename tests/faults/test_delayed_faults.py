@@ -415,11 +415,18 @@ class LostAfterPublish(AssertionError):
     (every other check passed)."""
 
 
-def check(row: Row, run: DelayedRun) -> None:
+def check(row: Row, run: DelayedRun, torn: int = 0) -> None:
     """Print the row, then assert what every row must show; losses after
     publish and duplicate executions last, as :class:`LostAfterPublish` and
     :class:`DuplicateExecutions` (a known defect's row expects one of those
-    and no other failure)."""
+    and no other failure).
+
+    ``torn``: publishes a broker crash may have cut in two. kombu's Redis
+    transport pushes a message to each queue bound to its routing key in
+    turn, so a crash between the pushes leaves a copy in the audit queue
+    and none in the worker's, or the other way round; the releaser, told
+    nothing, publishes the task again. The audit count and the worker's
+    then differ by at most one per such publish."""
     print(f"\n{row.line()}  {row}")
     logs = run.cluster.logs(3000)
     assert row.unpublished == 0, f"{row}: parked tasks never published\n{logs}"
@@ -432,9 +439,10 @@ def check(row: Row, run: DelayedRun) -> None:
     # consumer whose connection died): there at most that many.
     gated = row.discarded + row.dup_executed
     if row.restored:
-        assert row.dup_published <= gated <= row.dup_published + row.restored, f"{row}"
+        low, high = row.dup_published - torn, row.dup_published + row.restored + torn
+        assert low <= gated <= high, f"{row}"
     else:
-        assert gated == row.dup_published, f"{row}\n{logs}"
+        assert abs(gated - row.dup_published) <= torn, f"{row}\n{logs}"
     if row.lost:
         raise LostAfterPublish(f"{row}\n{logs}")
     if row.dup_executed:
@@ -631,4 +639,6 @@ def test_broker_outage_while_tasks_come_due(store: str, tmp_path: Path) -> None:
             row = run.finish("broker outage")
             logs = run.beat_logs()
     assert GIVEN_BACK in logs, "no releaser gave a task back"
-    check(row, run)
+    # Three releasers, each with at most one publish on the way when the
+    # broker died (CI once saw one: 2 copies audited, 1 reached the worker).
+    check(row, run, torn=3)

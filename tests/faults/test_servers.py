@@ -25,7 +25,7 @@ from ..conftest import require_service
 from .harness import port_open
 from .scenarios import BACK_LOG, OUTAGE_LOG, wait_back
 from .servers import RabbitServer
-from .xdist_groups import GROUP, group_of
+from .xdist_groups import BENCH_GROUP, GROUP, group_of
 
 pytestmark = [pytest.mark.faults, pytest.mark.xdist_group("faults")]
 
@@ -147,4 +147,5 @@ def test_campaign_tests_share_one_xdist_unit() -> None:
     assert group_of(delayed_row) == GROUP
     other = "tests/beat/test_lease_faults.py::test_kill9_between_claim_and_send[redis]"
     assert group_of(other) == other
+    assert group_of("tests/test_bench_smoke.py::test_burst_smoke") == BENCH_GROUP != GROUP
     assert group_of("tests/test_x.py::test_y@pool") == "pool"

@@ -28,17 +28,27 @@ GROUP = "faults"
 DELAYED = "tests/faults/test_delayed_faults.py"
 
 
+#: The benchmarks' smoke tests: a group of their own, one at a time beside
+#: the fault group. Each runs real beats and workers at full speed; five at
+#: once (with ``-n 5``) stalled a PostgreSQL statement past the backend's
+#: watchdog (6 s) on this 2-core machine.
+BENCH = "tests/test_bench_smoke.py"
+BENCH_GROUP = "bench"
+
+
 def group_of(nodeid: str) -> str:
     """The scheduling unit of test ``nodeid``: :data:`GROUP` for the
-    campaign's tests, :data:`GROUP` also for the delayed rows, an
-    ``@name`` suffix where xdist managed to add one, the node id itself
-    otherwise."""
+    campaign's tests, :data:`GROUP` also for the delayed rows,
+    :data:`BENCH_GROUP` for the benchmarks' smoke tests, an ``@name``
+    suffix where xdist managed to add one, the node id itself otherwise."""
     if nodeid.rfind("@") > nodeid.rfind("]"):
         return nodeid.split("@")[-1]
     if nodeid.startswith(GROUPED):
         return GROUP
     if nodeid.startswith(DELAYED):
         return GROUP
+    if nodeid.startswith(BENCH):
+        return BENCH_GROUP
     return nodeid
 
 
