@@ -182,16 +182,29 @@ def delayed_backend(settings: Settings, delayed: DelayedSettings, *, instance: s
             backend serves, or is RabbitMQ (naming the setting, credentials
             masked); the set-up keeps no delayed tasks (:func:`delayed_off`).
     """
-    from ..backends import backend_from_settings, backend_from_url, sanitize_url, scheme_of
+    from ..backends import backend_from_settings
 
     off = delayed_off(settings, delayed)
     if off is not None:
         raise ConfigurationError(off)
-    if delayed.backend is None:
-        backend = backend_from_settings(settings, instance=instance)
-        backend.role = "delayed store"
-        return backend
-    url = delayed.backend
+    backend = (
+        backend_from_settings(settings, instance=instance)
+        if delayed.backend is None
+        else _own_delayed_backend(delayed.backend, settings, instance)
+    )
+    backend.role = "delayed store"
+    return backend
+
+
+def _own_delayed_backend(url: str, settings: Settings, instance: str) -> Backend:
+    """The backend of ``anarchon_delayed_backend`` = ``url``, not opened.
+
+    Raises:
+        ConfigurationError: a URL no backend serves, or RabbitMQ (naming
+            the setting, credentials masked).
+    """
+    from ..backends import backend_from_url, sanitize_url, scheme_of
+
     shown = sanitize_url(url)
     options = {}
     if settings.allow_eviction and scheme_of(url) in {"redis", "rediss", "redis+sentinel"}:
@@ -207,7 +220,6 @@ def delayed_backend(settings: Settings, delayed: DelayedSettings, *, instance: s
             f"anarchon_delayed_backend = {shown!r} is RabbitMQ, which keeps no parked tasks "
             f"({RABBITMQ_DOC}); give a Redis or SQL URL: {_FIX}."
         )
-    backend.role = "delayed store"
     return backend
 
 

@@ -349,10 +349,9 @@ def create_app(
 
         @functools.wraps(action)
         def view(**kwargs: Any) -> Response:
-            if not allow_actions:
-                return refuse("actions are off (start the page with --allow-actions)")
-            if not signed_in():
-                return refuse("not signed in: give the operator's token first")
+            refused = form_refusal()
+            if refused is not None:
+                return refused
             if not csrf_ok():
                 return refuse("the form's CSRF token is missing or wrong: reload the page")
             return action(**kwargs)
@@ -477,10 +476,14 @@ def create_app(
         target = url_for("job", name=name) if name else url_for("jobs")
         return redirect(target, code=303)
 
-    def failed(action: str, name: str, exc: BaseException, back: str | None) -> Response:
+    def refusal(action: str, name: str, exc: BaseException) -> str:
+        """Log a refused action; the message shown for it."""
         text = sanitize_url(one_line(exc))
         audit(action, name, f"refused: {text}")
-        return done(back, f"{action} {name}: {text}", False)
+        return f"{action} {name}: {text}"
+
+    def failed(action: str, name: str, exc: BaseException, back: str | None) -> Response:
+        return done(back, refusal(action, name, exc), False)
 
     @app.post("/jobs/<path:name>/run-now")
     @guarded
@@ -548,10 +551,8 @@ def create_app(
         """A refused add or edit: its form again, with what was typed and
         why, so nothing typed is lost; ``values`` are the form's. 400 for
         a definition refused, 503 when the backend did not answer."""
-        text = sanitize_url(one_line(exc))
-        audit(action, job, f"refused: {text}")
+        error = refusal(action, job, exc)
         typed = {key: str(request.form.get(key, "")) for key in FORM_FIELDS}
-        error = f"{action} {job}: {text}"
         body = render_template("job_form.html", typed=typed, error=error, **values)
         status = 503 if isinstance(exc, BackendUnavailable) else 400
         return Response(body, status=status, mimetype="text/html")
