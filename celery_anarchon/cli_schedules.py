@@ -109,7 +109,8 @@ def parse_at(text: str, option: str = "--at", *, naive_utc: bool = False) -> dat
             EXIT_USAGE, f"{option} {text!r} is not ISO 8601: give e.g. 2027-01-01T00:00Z"
         ) from None
     if at.tzinfo is None or at.utcoffset() is None:
-        example = at.isoformat(timespec="seconds" if at.second else "minutes")
+        shown = "auto" if at.microsecond else "seconds" if at.second else "minutes"
+        example = at.isoformat(timespec=shown)
         if naive_utc:
             return at.replace(tzinfo=timezone.utc)
         raise Fail(

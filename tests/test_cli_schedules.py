@@ -270,6 +270,7 @@ BAD_ADDS = [
         "e.g. 2027-01-01T00:00Z (UTC) or 2027-01-01T00:00+01:00",
     ),
     ("naive-at-9", ["--at", "2027-01-01T09:00"], "e.g. 2027-01-01T09:00Z (UTC) or 2027-01"),
+    ("naive-fraction", ["--at", "2027-01-01T05:07:00.5"], "e.g. 2027-01-01T05:07:00.500000Z"),
     ("not-iso-at", ["--at", "next tuesday"], "is not ISO 8601"),
     ("past-at", ["--at", "2020-01-01T00:00Z"], "has no slot after the change holds"),
     ("bad-duration", ["--every", "5x"], "--every '5x': give seconds or a duration"),

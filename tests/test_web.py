@@ -417,8 +417,11 @@ def test_a_refused_edit_shows_the_form_again_and_keeps_the_job(
     with Schedules(celery_app) as schedules:
         assert schedules.get("kept").definition.args == []
         schedules.remove("kept")
-    gone = client.post("/jobs/kept/edit", data={"csrf": csrf, "every": "1h"})
-    assert gone.status_code == 303 and gone.headers["Location"].endswith("/jobs")
+    for form in ({"every": "1h"}, {"every": "bad"}):  # refused by the store, or before it
+        gone = client.post("/jobs/kept/edit", data={"csrf": csrf, **form})
+        assert gone.status_code == 303 and gone.headers["Location"].endswith("/jobs"), form
+    code = client.post("/jobs/every-minute/edit", data={"csrf": csrf, "every": "1h"})
+    assert code.status_code == 303 and code.headers["Location"].endswith("/jobs/every-minute")
 
 
 def test_a_form_page_says_actions_are_off_before_asking_for_a_sign_in(
@@ -532,6 +535,10 @@ def test_an_add_while_the_backend_does_not_answer_keeps_the_form_and_answers_503
     answer = response.get_data(as_text=True)
     assert response.status_code == 503, answer[:2000]
     assert 'id="form-error"' in answer and 'id="form-every" value="5m"' in answer
+    edited = client.post("/jobs/later/edit", data={"csrf": csrf, "every": "10m"})
+    answer = edited.get_data(as_text=True)
+    assert edited.status_code == 503, answer[:2000]
+    assert 'id="form-error"' in answer and 'id="form-every" value="10m"' in answer
 
 
 # -- the cost of a render ------------------------------------------------------------------

@@ -613,13 +613,13 @@ def create_app(
                 fields["options"] = {**(current.options if current else {}), **fields["options"]}
             stored = shared.schedules.update(name, **fields)
         except (AnarchonError, Fail) as exc:
-            if isinstance(exc, NoSuchJob):  # removed meanwhile: its page may be gone
-                return failed("edit", name, exc, None)
             try:
                 definition = shared.schedules.get(name).definition
-            except AnarchonError:
-                definition = None  # removed meanwhile, or the store is down
-            if definition is None:
+            except NoSuchJob:  # removed meanwhile, or never there: no page of its own
+                return failed("edit", name, exc, None)
+            except AnarchonError:  # the store does not answer: the form, without "Now"
+                return form_again("edit", name, exc, mode="edit", name=name, current={})
+            if definition is None:  # a beat_schedule entry: back to its page
                 return failed("edit", name, exc, name)
             return form_again(
                 "edit", name, exc, mode="edit", name=name, current=current_of(definition)
